@@ -1,0 +1,120 @@
+"""A worker's local prefix cache in the simulator: LRU over chain-hashed blocks.
+
+Semantics follow vLLM's prefix caching (v1 `BlockPool` / `FreeKVCacheBlockQueue`): only full
+blocks are cached, a hit is the longest leading run of the request's block hashes, and when a
+request's blocks are touched they are touched from the last to the first, so that a prefix's
+ancestors are always more recent than its descendants and LRU eviction takes leaves first
+(SGLang's radix cache evicts LRU leaves for the same reason). Capacity is in blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class LocalPrefixCache:
+    """LRU block cache of one worker.
+
+    Args:
+      capacity_blocks: blocks the worker's KV pool holds (all ranks together), >= 1.
+
+    Raises:
+      ValueError: capacity_blocks < 1.
+    """
+
+    __slots__ = ("capacity_blocks", "_lru", "_reserved")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._reserved = 0  # blocks allocated to a running prefill, not yet cached
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks neither cached nor reserved by a running prefill."""
+        return self.capacity_blocks - len(self._lru) - self._reserved
+
+    def match(self, block_hashes: Sequence[int], max_blocks: int) -> int:
+        """Longest leading run of `block_hashes` (at most `max_blocks`) held here; no side effect."""
+        lru = self._lru
+        k = 0
+        limit = min(max_blocks, len(block_hashes))
+        while k < limit and block_hashes[k] in lru:
+            k += 1
+        return k
+
+    def begin(self, block_hashes: Sequence[int], max_blocks: int, total_blocks: int) -> tuple[int, list[int]]:
+        """Starts a prefill: takes the hit, reserves room for the rest, evicts LRU blocks.
+
+        Args:
+          block_hashes: the request's hash chain.
+          max_blocks: cap on the hit (`Request.max_cacheable_blocks`).
+          total_blocks: blocks the prefill needs in all (`ceil(input_len / block_size)`).
+
+        Returns:
+          `(hit_blocks, evicted)`: the matched leading blocks (touched, most recent first) and
+          the hashes evicted to make room for `total_blocks - hit_blocks` new blocks.
+
+        Raises:
+          ValueError: `total_blocks` exceeds the capacity (nothing changed).
+        """
+        if total_blocks > self.capacity_blocks:
+            raise ValueError(
+                f"request needs {total_blocks} KV blocks, more than the worker's "
+                f"capacity_blocks={self.capacity_blocks}")
+        lru = self._lru
+        hit = self.match(block_hashes, max_blocks)
+        for k in range(hit - 1, -1, -1):
+            lru.move_to_end(block_hashes[k])
+        need = total_blocks - hit
+        evicted = []
+        over = len(lru) + self._reserved + need - self.capacity_blocks
+        while over > 0:
+            evicted.append(lru.popitem(last=False)[0])
+            over -= 1
+        self._reserved += need
+        return hit, evicted
+
+    def finish(self, block_hashes: Sequence[int], hit_blocks: int, full_blocks: int,
+               total_blocks: int) -> list[int]:
+        """Ends a prefill: caches its new full blocks, releases its reservation.
+
+        Args:
+          block_hashes: the request's hash chain.
+          hit_blocks: the hit `begin` returned.
+          full_blocks: full blocks of the prompt (`input_len // block_size`).
+          total_blocks: the `total_blocks` given to `begin`.
+
+        Returns:
+          The hashes newly inserted (blocks `hit_blocks .. full_blocks-1` not already cached).
+        """
+        self._reserved -= total_blocks - hit_blocks
+        lru = self._lru
+        inserted = []
+        for k in range(full_blocks - 1, hit_blocks - 1, -1):
+            h = block_hashes[k]
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                inserted.append(h)
+        # Re-touch the hit so that ancestors stay more recent than the new descendants.
+        for k in range(hit_blocks - 1, -1, -1):
+            h = block_hashes[k]
+            if h in lru:
+                lru.move_to_end(h)
+        return inserted
+
+    def evict_blocks(self, block_hashes: Sequence[int]) -> list[int]:
+        """Drops the given blocks if present; returns those that were present."""
+        lru = self._lru
+        return [h for h in block_hashes if lru.pop(h, 0) is None]

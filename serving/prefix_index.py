@@ -1,0 +1,94 @@
+"""Which worker holds which cached block: the scheduler's view of the workers' prefix caches.
+
+Built from the workers' KV events (insertions and evictions), as vLLM's KV-event stream feeds
+its router. Blocks are keyed by their chain hash, so "worker w holds block k of request r"
+implies (for caches that evict leaves first) that it holds blocks 0..k-1 as well; the match
+walk below nevertheless stops at the first missing block, so a stray block never counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class PrefixIndex:
+    """Map from block hash to the set of workers that hold that block.
+
+    Costs: `insert`/`evict` O(blocks); `match_blocks` O(matched blocks + workers).
+    """
+
+    __slots__ = ("_holders",)
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[int]] = {}
+
+    def insert(self, worker_id: int, block_hashes: Iterable[int]) -> None:
+        """Records that `worker_id` now holds each block of `block_hashes`."""
+        holders = self._holders
+        for h in block_hashes:
+            s = holders.get(h)
+            if s is None:
+                holders[h] = {worker_id}
+            else:
+                s.add(worker_id)
+
+    def evict(self, worker_id: int, block_hashes: Iterable[int]) -> None:
+        """Records that `worker_id` no longer holds each block (unknown blocks are ignored)."""
+        holders = self._holders
+        for h in block_hashes:
+            s = holders.get(h)
+            if s is not None:
+                s.discard(worker_id)
+                if not s:
+                    del holders[h]
+
+    def drop_worker(self, worker_id: int) -> None:
+        """Forgets every block of `worker_id` (the worker left the pool)."""
+        for h in [h for h, s in self._holders.items() if worker_id in s]:
+            self.evict(worker_id, (h,))
+
+    def holders(self, block_hash: int) -> frozenset[int]:
+        """Workers holding `block_hash`."""
+        return frozenset(self._holders.get(block_hash, ()))
+
+    def match_blocks(self, block_hashes: Sequence[int], max_blocks: int,
+                     worker_ids: Sequence[int]) -> list[int]:
+        """Longest cached leading run of `block_hashes` on each worker.
+
+        Args:
+          block_hashes: the request's hash chain.
+          max_blocks: cap on the match (a request's `max_cacheable_blocks`).
+          worker_ids: workers to report, in order.
+
+        Returns:
+          `matched[i]`: the number of leading blocks (<= max_blocks) `worker_ids[i]` holds.
+        """
+        result = dict.fromkeys(worker_ids, 0)
+        alive = set(worker_ids)
+        holders = self._holders
+        k = 0
+        limit = min(max_blocks, len(block_hashes))
+        while alive and k < limit:
+            s = holders.get(block_hashes[k])
+            if s is None:
+                break
+            if not alive <= s:
+                for w in alive - s:
+                    result[w] = k
+                alive &= s
+            k += 1
+        for w in alive:
+            result[w] = k
+        return [result[w] for w in worker_ids]
+
+    def global_match_blocks(self, block_hashes: Sequence[int], max_blocks: int) -> int:
+        """Longest leading run of `block_hashes` held by *some* worker (not necessarily one)."""
+        holders = self._holders
+        limit = min(max_blocks, len(block_hashes))
+        k = 0
+        while k < limit and block_hashes[k] in holders:
+            k += 1
+        return k
+
+    def __len__(self) -> int:
+        return len(self._holders)

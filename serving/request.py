@@ -1,0 +1,118 @@
+"""The unit of work of the prefill pool: one prompt to prefill.
+
+A request carries its prompt as a *chain of block hashes*: the prompt is cut into
+`block_size`-token blocks and block k's hash identifies the whole prefix up to and including
+block k (vLLM's prefix-caching hash, SGLang's page-aligned radix keys). Two requests share a
+cached prefix of k blocks exactly when their first k hashes are equal, so a prefix match is a
+walk over hashes and never compares tokens.
+
+Only *full* blocks are cacheable (as in vLLM): the last, partial block of a prompt is computed
+but never reused. And the last prompt token is always recomputed so that the prefill produces
+logits for it; hence `max_cacheable_blocks = (input_len - 1) // block_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64 finaliser (Steele, Lea, Flood 2014): a well-mixed 64-bit permutation."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def chain_block_hashes(block_ids: Iterable[int], parent: int = 0) -> tuple[int, ...]:
+    """Turns per-block content ids into a hash chain.
+
+    Args:
+      block_ids: one integer per block that identifies that block's *content* (for example a
+        Mooncake `hash_ids` entry, or the hash of the block's token ids).
+      parent: the hash of the prefix before the first block (0 for the start of a prompt).
+
+    Returns:
+      A tuple of 64-bit ints, `h[k] = splitmix64(h[k-1] * 31 + splitmix64(id[k]))`, so `h[k]`
+      depends on every block up to k. Deterministic across processes (no `PYTHONHASHSEED`).
+    """
+    out = []
+    h = parent
+    for b in block_ids:
+        h = _splitmix64(((h * 31) & _MASK64) ^ _splitmix64(int(b) & _MASK64))
+        out.append(h)
+    return tuple(out)
+
+
+def num_blocks(input_len: int, block_size: int) -> int:
+    """Blocks that hold `input_len` tokens: `ceil(input_len / block_size)`."""
+    return -(-input_len // block_size)
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    """One prefill request.
+
+    Attributes:
+      request_id: unique id (str or int) within a run.
+      arrival_time: seconds since the start of the run (simulated or wall clock).
+      input_len: prompt length in tokens, >= 1.
+      output_len: tokens the decode pool will generate (>= 0); the prefill pool produces only
+        the first one, the rest is carried for metrics and for the decode pool.
+      block_hashes: hash chain, one per `block_size` block of the prompt (the last may be
+        partial): `len(block_hashes) == ceil(input_len / block_size)`.
+      block_size: tokens per block, >= 1.
+      ttft_slo: the request's TTFT objective in seconds, or None when it has none.
+      token_ids: the prompt's token ids when a live backend must run it; None in simulation.
+
+    Raises:
+      ValueError: naming the field, when a field is out of range or the hash count disagrees
+        with `ceil(input_len / block_size)`.
+    """
+
+    request_id: str | int
+    arrival_time: float
+    input_len: int
+    output_len: int
+    block_hashes: tuple[int, ...]
+    block_size: int = 512
+    ttft_slo: float | None = None
+    token_ids: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.arrival_time, (int, float)) and math.isfinite(self.arrival_time)
+                and self.arrival_time >= 0):
+            raise ValueError(f"arrival_time must be a finite number >= 0 seconds, got {self.arrival_time!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not isinstance(self.input_len, int) or self.input_len < 1:
+            raise ValueError(f"input_len must be an integer >= 1 token, got {self.input_len!r}")
+        if not isinstance(self.output_len, int) or self.output_len < 0:
+            raise ValueError(f"output_len must be an integer >= 0 tokens, got {self.output_len!r}")
+        expected = num_blocks(self.input_len, self.block_size)
+        if len(self.block_hashes) != expected:
+            raise ValueError(
+                f"block_hashes must have ceil(input_len / block_size) = {expected} entries "
+                f"(input_len={self.input_len}, block_size={self.block_size}), got {len(self.block_hashes)}")
+        if self.ttft_slo is not None and not (math.isfinite(self.ttft_slo) and self.ttft_slo > 0):
+            raise ValueError(f"ttft_slo must be a finite number > 0 seconds or None, got {self.ttft_slo!r}")
+        if self.token_ids is not None and len(self.token_ids) != self.input_len:
+            raise ValueError(
+                f"token_ids must have input_len = {self.input_len} entries, got {len(self.token_ids)}")
+
+    @property
+    def max_cacheable_blocks(self) -> int:
+        """Leading full blocks that a cache hit may cover: `(input_len - 1) // block_size`.
+
+        The last token is always recomputed so the prefill yields its logits (vLLM does the same).
+        """
+        return (self.input_len - 1) // self.block_size
+
+    @property
+    def full_blocks(self) -> int:
+        """Full blocks the prefill leaves in the cache afterwards: `input_len // block_size`."""
+        return self.input_len // self.block_size

@@ -1,0 +1,257 @@
+"""The event-driven scheduler core shared by the live and the simulated backends.
+
+`Scheduler` owns the workers' FIFO queues and reservations. It is driven by four calls, each
+given the time `now` in seconds by the caller (it never reads a clock):
+
+- `submit(request, now)`: route to one eligible worker, reserve the predicted prefill time on
+  it at once, start it if the worker is idle;
+- `complete(worker_id, request_id, now, result)`: the backend finished a prefill; apply the
+  worker's KV events to the prefix index, release the reservation, report the request, start
+  the worker's next request;
+- `fail(worker_id, request_id, now, error)`: the backend could not run a prefill;
+- `tick(now)`: periodic hooks (the reconfiguration controller and prefix-cache manager plug
+  in here).
+
+Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
+`RequestRecord` given to the listener, completed or failed with an explicit error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from serving.backend import Backend, PrefillResult
+from serving.prefix_index import PrefixIndex
+from serving.request import Request
+from serving.router import Router
+from serving.worker import WorkerSpec, WorkerState, WorkerStatus
+
+
+class CostModel(Protocol):
+    """Predicted prefill time; `serving.cost_model.PrefillCostModel` implements it."""
+
+    def predict(self, cp_degree: int, input_len: int, cached_len: int) -> float: ...
+
+
+@dataclasses.dataclass(slots=True)
+class RequestRecord:
+    """How one request ended. Times are seconds on the caller's clock.
+
+    Attributes:
+      request: the request.
+      worker_id, cp_degree, epoch: where it ran (None when it never ran).
+      start_time: when its prefill started; finish_time: when it ended on the worker.
+      first_token_time: when the first token reached the client (None on failure).
+      cached_len: prompt tokens served from the worker's prefix cache.
+      predicted_cached_len: the prefix the scheduler expected the worker to hold.
+      predicted_seconds: the reserved prefill estimate.
+      error: None on success, else a message saying why the request failed.
+      first_token: generated token id when the backend runs a real model.
+    """
+
+    request: Request
+    worker_id: int | None = None
+    cp_degree: int | None = None
+    epoch: int | None = None
+    start_time: float | None = None
+    finish_time: float | None = None
+    first_token_time: float | None = None
+    cached_len: int = 0
+    predicted_cached_len: int = 0
+    predicted_seconds: float = 0.0
+    error: str | None = None
+    first_token: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds, `first_token_time - arrival_time`; None on failure."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.request.arrival_time
+
+
+@dataclasses.dataclass(slots=True)
+class _Placement:
+    worker: WorkerState
+    estimate: float
+    predicted_cached_len: int
+    start_time: float | None = None
+
+
+class Scheduler:
+    """Routes requests to workers and keeps their queues; see the module docstring.
+
+    Args:
+      workers: the pool's initial workers (unique ids).
+      cost_model: predicts prefill seconds for (cp_degree, input_len, cached_len).
+      router: picks a worker among the eligible ones.
+      backend: runs prefills (`Backend`).
+      listener: called once per finished request with its `RequestRecord`.
+      prefix_index: the cluster's block-holder index (a fresh one by default).
+
+    Raises:
+      ValueError: duplicate worker ids, or an empty pool.
+    """
+
+    def __init__(self, workers: Sequence[WorkerSpec], cost_model: CostModel, router: Router,
+                 backend: Backend, listener: Callable[[RequestRecord], None] | None = None,
+                 prefix_index: PrefixIndex | None = None) -> None:
+        if not workers:
+            raise ValueError("workers must name at least one worker")
+        ids = [w.worker_id for w in workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {ids}")
+        self.cost_model = cost_model
+        self.router = router
+        self.backend = backend
+        self.listener = listener or (lambda record: None)
+        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        self.epoch = 0
+        self.workers: dict[int, WorkerState] = {}
+        for spec in sorted(workers, key=lambda s: s.worker_id):
+            self.workers[spec.worker_id] = WorkerState(spec, epoch=self.epoch)
+        self.tick_hooks: list[Callable[[Scheduler, float], None]] = []
+        self._placements: dict[str | int, _Placement] = {}
+        self._pending: deque[Request] = deque()
+        self.num_submitted = 0
+        self.num_completed = 0
+        self.num_failed = 0
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet ended (queued, running or pending)."""
+        return self.num_submitted - self.num_completed - self.num_failed
+
+    def eligible(self, request: Request) -> tuple[list[WorkerState], list[int]]:
+        """ACTIVE workers able to hold `request`, and per worker its matched leading blocks.
+
+        A cache miss never excludes a worker; only status, length and KV capacity do.
+        """
+        candidates = [w for w in self.workers.values()
+                      if w.status is WorkerStatus.ACTIVE and w.can_hold(request)]
+        if not candidates:
+            return candidates, []
+        matched = self.prefix_index.match_blocks(
+            request.block_hashes, request.max_cacheable_blocks, [w.worker_id for w in candidates])
+        return candidates, matched
+
+    # ----------------------------------------------------------------------------- events
+    def submit(self, request: Request, now: float) -> int | None:
+        """Routes `request` and reserves its predicted prefill time on the chosen worker.
+
+        Returns:
+          The chosen worker id; None when the request waits for a worker (every worker that
+          could hold it is draining or unavailable) or failed because no worker can ever hold
+          it (then the listener has its failed record).
+
+        Raises:
+          ValueError: `request.request_id` is already in flight.
+        """
+        if request.request_id in self._placements or any(
+                r.request_id == request.request_id for r in self._pending):
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.num_submitted += 1
+        return self._route(request, now)
+
+    def complete(self, worker_id: int, request_id: str | int, now: float,
+                 result: PrefillResult) -> None:
+        """The backend finished `request_id` on `worker_id` at `now`.
+
+        Raises:
+          ValueError: the worker is not running that request (a protocol error of the backend).
+        """
+        worker, placement, request = self._take_running(worker_id, request_id)
+        index = self.prefix_index
+        if result.evicted_blocks:
+            index.evict(worker_id, result.evicted_blocks)
+        if result.inserted_blocks:
+            index.insert(worker_id, result.inserted_blocks)
+        self.num_completed += 1
+        self.listener(RequestRecord(
+            request, worker_id, worker.cp_degree, worker.epoch,
+            placement.start_time, result.finish_time, result.first_token_time, result.cached_len,
+            placement.predicted_cached_len, placement.estimate, None, result.first_token))
+        self._after_run(worker, now)
+
+    def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
+        """The backend could not prefill `request_id` on `worker_id`; the request fails.
+
+        Raises:
+          ValueError: the worker is not running that request.
+        """
+        worker, placement, request = self._take_running(worker_id, request_id)
+        self.num_failed += 1
+        self.listener(RequestRecord(
+            request, worker_id, worker.cp_degree, worker.epoch,
+            placement.start_time, now, None, 0, placement.predicted_cached_len,
+            placement.estimate, error))
+        self._after_run(worker, now)
+
+    def tick(self, now: float) -> None:
+        """Runs the periodic hooks, then retries requests waiting for a worker."""
+        for hook in self.tick_hooks:
+            hook(self, now)
+        self._retry_pending(now)
+
+    # ----------------------------------------------------------------------------- internals
+    def _route(self, request: Request, now: float) -> int | None:
+        candidates, matched = self.eligible(request)
+        if not candidates:
+            if any(w.can_hold(request) for w in self.workers.values()):
+                self._pending.append(request)
+                return None
+            largest = max(w.spec.max_input_len for w in self.workers.values())
+            self._fail_unplaced(request, now, (
+                f"input_len={request.input_len} tokens cannot be held by any worker "
+                f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
+            return None
+        i = self.router.choose(request, candidates, matched, now)
+        worker = candidates[i]
+        cached = matched[i] * request.block_size
+        estimate = self.cost_model.predict(worker.cp_degree, request.input_len, cached)
+        self._placements[request.request_id] = _Placement(worker, estimate, cached)
+        worker.queue.append(request)
+        worker.queued_seconds += estimate
+        if worker.running is None:
+            self._dispatch(worker, now)
+        return worker.worker_id
+
+    def _dispatch(self, worker: WorkerState, now: float) -> None:
+        if worker.running is not None or not worker.queue:
+            return
+        request = worker.queue.popleft()
+        placement = self._placements[request.request_id]
+        worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
+        worker.running = request
+        worker.running_start = now
+        worker.running_estimate = placement.estimate
+        placement.start_time = now
+        self.backend.start_prefill(worker.worker_id, request, now)
+
+    def _take_running(self, worker_id: int,
+                      request_id: str | int) -> tuple[WorkerState, _Placement, Request]:
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.running is None or worker.running.request_id != request_id:
+            raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
+        return worker, self._placements.pop(request_id), worker.running
+
+    def _after_run(self, worker: WorkerState, now: float) -> None:
+        worker.running = None
+        worker.running_estimate = 0.0
+        self._dispatch(worker, now)
+
+    def _fail_unplaced(self, request: Request, now: float, error: str) -> None:
+        self.num_failed += 1
+        self.listener(RequestRecord(request, finish_time=now, error=error))
+
+    def _retry_pending(self, now: float) -> None:
+        for _ in range(len(self._pending)):
+            self._route(self._pending.popleft(), now)

@@ -1,0 +1,42 @@
+"""The simulator's per-worker LRU prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.local_cache import LocalPrefixCache
+from serving.request import chain_block_hashes
+
+
+def test_hit_insert_and_leaf_first_eviction():
+    cache = LocalPrefixCache(capacity_blocks=6)
+    a = chain_block_hashes([1, 2, 3, 4])
+    hit, ev = cache.begin(a, max_blocks=3, total_blocks=4)
+    assert (hit, ev) == (0, [])
+    assert cache.free_blocks == 2
+    assert cache.finish(a, 0, full_blocks=3, total_blocks=4) == list(reversed(a[:3]))
+    assert len(cache) == 3 and cache.free_blocks == 3
+    b = chain_block_hashes([1, 2, 9, 9, 9])  # shares 2 blocks with a
+    hit, ev = cache.begin(b, max_blocks=4, total_blocks=5)
+    # needs 3 new blocks: 3 cached + 3 reserved = 6, nothing evicted
+    assert (hit, ev) == (2, [])
+    cache.finish(b, 2, full_blocks=4, total_blocks=5)
+    assert len(cache) == 5
+    c = chain_block_hashes([5, 6, 7])
+    hit, ev = cache.begin(c, max_blocks=2, total_blocks=3)
+    # needs 3 blocks, 1 free -> evict 2 LRU blocks: the leaves a[2] (oldest) then b[3]
+    assert hit == 0
+    assert ev == [a[2], b[3]]
+    assert a[0] in cache and a[1] in cache and b[2] in cache
+
+
+def test_request_larger_than_cache_rejected_without_change():
+    cache = LocalPrefixCache(2)
+    a = chain_block_hashes([1, 2])
+    cache.begin(a, 1, 2)
+    cache.finish(a, 0, 2, 2)
+    with pytest.raises(ValueError, match="capacity_blocks=2"):
+        cache.begin(chain_block_hashes([1, 2, 3]), 2, 3)
+    assert len(cache) == 2 and cache.free_blocks == 0
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        LocalPrefixCache(0)

@@ -1,0 +1,134 @@
+"""Scheduler core: routing, reservations, protocol errors, exactly-once completion."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.backend import PrefillResult
+from serving.prefix_index import PrefixIndex
+from serving.request import Request, chain_block_hashes
+from serving.router import LeastWorkRouter
+from serving.scheduler import Scheduler
+from serving.worker import WorkerSpec, WorkerStatus, homogeneous_degrees, layout_workers
+
+
+class Cost:
+    def predict(self, cp_degree, input_len, cached_len):
+        return (input_len - cached_len) / 1000 / cp_degree
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.started = []
+
+    def start_prefill(self, worker_id, request, now):
+        self.started.append((worker_id, request.request_id, now))
+
+
+def req(rid, length=1000, t=0.0, ids=None):
+    ids = ids if ids is not None else [hash((rid, k)) for k in range(-(-length // 512))]
+    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
+
+
+def make(degrees=(1, 1, 1, 1)):
+    backend, done = RecordingBackend(), []
+    s = Scheduler(layout_workers(list(degrees), 100, 100_000), Cost(), LeastWorkRouter(), backend,
+                  done.append)
+    return s, backend, done
+
+
+def test_burst_spreads_because_reservations_are_immediate():
+    s, backend, _ = make()
+    placed = [s.submit(req(i, 2000), 0.0) for i in range(8)]
+    assert sorted(placed) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [w.outstanding_seconds(0.0) for w in s.workers.values()] == pytest.approx([4.0] * 4)
+    assert len(backend.started) == 4  # one running per worker, the rest queued
+
+
+def test_idle_ties_rotate_not_biased_to_worker_zero():
+    s, _, done = make()
+    first = []
+    for i in range(4):
+        w = s.submit(req(i), float(i))
+        first.append(w)
+        s.complete(w, i, float(i), PrefillResult(0, float(i), float(i)))
+    assert sorted(first) == [0, 1, 2, 3]
+    assert len(done) == 4
+
+
+def test_complete_dispatches_next_and_applies_kv_events():
+    s, backend, done = make((1,))
+    a, b = req("a", 1024, ids=[1, 2]), req("b", 1500, ids=[1, 2, 3])
+    s.submit(a, 0.0)
+    s.submit(b, 0.1)
+    assert backend.started == [(0, "a", 0.0)]
+    s.complete(0, "a", 1.0, PrefillResult(0, 1.0, 1.2, inserted_blocks=a.block_hashes))
+    assert backend.started[-1] == (0, "b", 1.0)
+    assert s.prefix_index.match_blocks(b.block_hashes, b.max_cacheable_blocks, [0]) == [2]
+    s.complete(0, "b", 1.5, PrefillResult(1024, 1.5, 1.5, evicted_blocks=[a.block_hashes[1]]))
+    assert s.prefix_index.match_blocks(b.block_hashes, 2, [0]) == [1]
+    assert [r.request.request_id for r in done] == ["a", "b"]
+    assert done[0].ttft == pytest.approx(1.2) and done[1].cached_len == 1024
+    assert s.num_in_flight == 0 and s.workers[0].outstanding_seconds(2.0) == 0.0
+
+
+def test_protocol_errors_and_duplicates():
+    s, _, done = make((1,))
+    s.submit(req("a"), 0.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        s.submit(req("a"), 0.0)
+    with pytest.raises(ValueError, match="not running request 'b'"):
+        s.complete(0, "b", 1.0, PrefillResult(0, 1.0, 1.0))
+    s.fail(0, "a", 1.0, "out of KV blocks")
+    assert done[0].error == "out of KV blocks" and s.num_failed == 1 and s.num_in_flight == 0
+
+
+def test_too_long_fails_explicitly_and_draining_waits():
+    s, backend, done = make((2, 2))
+    s.submit(req("long", 200_000), 0.0)
+    assert done[-1].error is not None and "input_len=200000" in done[-1].error
+    for w in s.workers.values():
+        w.status = WorkerStatus.DRAINING
+    assert s.submit(req("x"), 0.0) is None
+    assert backend.started == [] and s.num_in_flight == 1
+    s.workers[1].status = WorkerStatus.ACTIVE
+    s.tick(1.0)
+    assert backend.started == [(1, "x", 1.0)]
+
+
+def test_prefix_index_match():
+    idx = PrefixIndex()
+    h = chain_block_hashes([1, 2, 3, 4])
+    idx.insert(0, h)
+    idx.insert(1, h[:2])
+    idx.insert(2, h[1:])  # holds later blocks only: no leading match
+    assert idx.match_blocks(h, 4, [0, 1, 2, 3]) == [4, 2, 0, 0]
+    assert idx.match_blocks(h, 3, [0]) == [3]
+    idx.evict(0, h[2:3])
+    assert idx.match_blocks(h, 4, [0]) == [2]
+    assert idx.global_match_blocks(h, 4) == 4  # block 2 still on worker 2
+    idx.drop_worker(2)
+    assert idx.global_match_blocks(h, 4) == 2
+
+
+def test_worker_layout_validation():
+    specs = layout_workers([2, 4, 1, 1], 10, 1000)
+    assert [(w.cp_degree, w.first_device) for w in specs] == [(4, 0), (2, 4), (1, 6), (1, 7)]
+    assert homogeneous_degrees(40, 4) == [4] * 10
+    with pytest.raises(ValueError, match="power of two"):
+        layout_workers([3], 10, 1000)
+    with pytest.raises(ValueError, match="multiple of cp_degree"):
+        homogeneous_degrees(10, 4)
+    with pytest.raises(ValueError, match="aligned"):
+        WorkerSpec(0, 4, 2, 10, 100)
+
+
+def test_request_validation():
+    with pytest.raises(ValueError, match="block_hashes must have"):
+        Request("a", 0.0, 1000, 1, (1,), 512)
+    with pytest.raises(ValueError, match="input_len"):
+        Request("a", 0.0, 0, 1, (), 512)
+    with pytest.raises(ValueError, match="arrival_time"):
+        Request("a", float("nan"), 10, 1, (1,), 512)
+    r = Request("a", 0.0, 1024, 1, (1, 2), 512)
+    assert (r.max_cacheable_blocks, r.full_blocks) == (1, 2)
