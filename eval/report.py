@@ -43,26 +43,29 @@ def markdown_table(results: Sequence[dict]) -> str:
     return "\n".join(rows)
 
 
-PLOTS = (
-    ("mean_ttft_ms", "mean TTFT (s)", 1e-3),
-    ("p90_ttft_ms", "P90 TTFT (s)", 1e-3),
-    ("token_weighted_slo_attainment", "token-weighted SLO attainment", 1.0),
+PLOTS = (  # (result key, axis label, scale, log y)
+    ("mean_ttft_ms", "mean TTFT (s)", 1e-3, True),
+    ("p90_ttft_ms", "P90 TTFT (s)", 1e-3, True),
+    ("token_weighted_slo_attainment", "token-weighted SLO attainment", 1.0, False),
 )
 
 
 def plot_vs_rate(results: Sequence[dict], path: str, title: str) -> None:
     """Writes a PNG with mean TTFT, P90 TTFT and SLO attainment against request rate.
 
-    One line per system; x is `request_rate` (req/s).
+    One line per system; x is `request_rate` (req/s); TTFT axes are logarithmic so that the
+    region before saturation stays readable.
     """
     systems = sorted({r["system"] for r in results})
     fig, axes = plt.subplots(1, len(PLOTS), figsize=(5 * len(PLOTS), 3.8), constrained_layout=True)
-    for ax, (key, label, scale) in zip(axes, PLOTS):
+    for ax, (key, label, scale, log_y) in zip(axes, PLOTS):
         for s in systems:
             pts = sorted((r["request_rate"], r[key]) for r in results
                          if r["system"] == s and r.get(key) is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o", label=s)
+        if log_y:
+            ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

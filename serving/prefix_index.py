@@ -63,11 +63,13 @@ class PrefixIndex:
         Returns:
           `matched[i]`: the number of leading blocks (<= max_blocks) `worker_ids[i]` holds.
         """
+        holders = self._holders
+        limit = min(max_blocks, len(block_hashes))
+        if limit == 0 or block_hashes[0] not in holders:
+            return [0] * len(worker_ids)  # fast path: nobody holds the first block
         result = dict.fromkeys(worker_ids, 0)
         alive = set(worker_ids)
-        holders = self._holders
         k = 0
-        limit = min(max_blocks, len(block_hashes))
         while alive and k < limit:
             s = holders.get(block_hashes[k])
             if s is None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     """SplitMix64 finaliser (Steele, Lea, Flood 2014): a well-mixed 64-bit permutation."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -43,7 +43,7 @@ def chain_block_hashes(block_ids: Iterable[int], parent: int = 0) -> tuple[int, 
     out = []
     h = parent
     for b in block_ids:
-        h = _splitmix64(((h * 31) & _MASK64) ^ _splitmix64(int(b) & _MASK64))
+        h = splitmix64(((h * 31) & _MASK64) ^ splitmix64(int(b) & _MASK64))
         out.append(h)
     return tuple(out)
 

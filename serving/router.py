@@ -54,10 +54,12 @@ class LeastWorkRouter:
         n = len(candidates)
         start = self._rotation % n
         self._rotation += 1
-        best, best_q = start, candidates[start].outstanding_seconds(now)
-        for j in range(1, n):
-            i = (start + j) % n
-            q = candidates[i].outstanding_seconds(now)
+        best, best_q = -1, float("inf")
+        for i in (*range(start, n), *range(start)):
+            w = candidates[i]
+            q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
+            if w.running is not None:
+                q += max(0.0, w.running_estimate - (now - w.running_start))
             if q < best_q:
                 best, best_q = i, q
         return best

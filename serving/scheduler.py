@@ -135,8 +135,10 @@ class Scheduler:
 
         A cache miss never excludes a worker; only status, length and KV capacity do.
         """
-        candidates = [w for w in self.workers.values()
-                      if w.status is WorkerStatus.ACTIVE and w.can_hold(request)]
+        n, active = request.input_len, WorkerStatus.ACTIVE
+        need = -(-n // request.block_size)
+        candidates = [w for w in self.workers.values() if w.status is active
+                      and n <= w.spec.max_input_len and need <= w.spec.kv_capacity_blocks]
         if not candidates:
             return candidates, []
         matched = self.prefix_index.match_blocks(

@@ -1,0 +1,138 @@
+"""Replay a workload through simulated prefill pools: `python -m eval.replay`.
+
+With no flags it replays the built-in Tool-Agent workload on 40 simulated H20 GPUs serving
+Qwen3-30B-A3B, as homogeneous CP-2 and CP-4 pools at three load levels, prints the summary
+table and writes, under `--output_dir`:
+
+- `<trace>__<system>__rate<r>.json`: one per (system, rate), `vllm bench serve` key names plus
+  ours (see `eval.metrics`);
+- `summary.md` (the table) and `summary.json` (all results);
+- `<trace>.png`: mean TTFT, P90 TTFT and token-weighted SLO attainment against request rate.
+
+Real traces: `--trace=../shared/traces/mooncake/conversation_trace.jsonl` (format from the
+file: Mooncake JSONL, Azure CSV, L-Eval CSV; or `--trace_format`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags, logging
+
+from eval import report
+from eval.experiment import ReplayConfig, run_sweep
+from eval.simulator import SimConfig
+from eval.traces import load_trace, sample_window
+from eval.workloads import tool_agent_workload, workload_stats
+
+_TRACE = flags.DEFINE_string("trace", "", "Trace file; empty = the built-in Tool-Agent workload.")
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
+                            "Trace format; auto = from the file name.")
+_BLOCK = flags.DEFINE_integer("block_size", 512, "Tokens per KV block (prefix-cache granularity).",
+                              lower_bound=1)
+_SKIP = flags.DEFINE_bool("skip_malformed", False,
+                          "Skip malformed trace lines (counted and reported) instead of failing.")
+_LEVAL_RATE = flags.DEFINE_float("leval_rate", 2.0, "Poisson arrival rate (req/s) for the L-Eval "
+                                 "CSV, which has no timestamps.", lower_bound=1e-6)
+_DURATION = flags.DEFINE_float("workload_duration", 600.0,
+                               "Seconds of built-in Tool-Agent workload to generate.", lower_bound=1.0)
+_WINDOW = flags.DEFINE_float("window", 0.0, "If > 0, replay a seeded random window of this many "
+                             "seconds of the trace instead of all of it.", lower_bound=0.0)
+_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous"], "Systems to compare "
+                             "(`homogeneous` = one homogeneous-cpN per --degrees entry).")
+_DEGREES = flags.DEFINE_list("degrees", ["2", "4"], "CP degrees for the `homogeneous` shorthand.")
+_RATES = flags.DEFINE_list("rates", [], "Request rates to sweep (req/s); overrides --load_factors.")
+_LOADS = flags.DEFINE_list("load_factors", ["0.6", "0.9", "1.2"],
+                           "Rates as multiples of the pool's cold capacity rate (see eval.experiment).")
+_GPUS = flags.DEFINE_integer("num_gpus", 40, "GPU budget of every system.", lower_bound=1)
+_GPU = flags.DEFINE_string("gpu", "h20", "GPU profile (serving.profiles.GPUS).")
+_MODEL = flags.DEFINE_string("model", "qwen3-30b-a3b", "Model profile (serving.profiles.MODELS).")
+_PROFILE = flags.DEFINE_string("profile_csv", "", "Measured profile CSV instead of the analytic one.")
+_SLO = flags.DEFINE_string("slo", "scale:5", "TTFT SLO: scale:K, fixed:S or affine:A,B (eval.slo).")
+_NOISE = flags.DEFINE_float("noise_sigma", 0.05, "Lognormal sigma of prefill-time noise.",
+                            lower_bound=0.0)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload generator, window and noise.")
+_KV_BLOCKS = flags.DEFINE_integer("kv_blocks_per_gpu", 0, "KV blocks per GPU; 0 = from HBM.",
+                                  lower_bound=0)
+_XFER = flags.DEFINE_float("kv_transfer_gb_per_s", 50.0,
+                           "KV transfer bandwidth to the decode pool (GB/s); 0 = free.", lower_bound=0)
+_FIRST = flags.DEFINE_float("first_token_ms", 20.0, "Decode step that emits the first token (ms).",
+                            lower_bound=0)
+_OUT = flags.DEFINE_string("output_dir", "out/replay", "Where JSON, table and plots go.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar over the sweep.")
+
+
+def _floats(values, name):
+    try:
+        return tuple(float(v) for v in values)
+    except ValueError:
+        raise app.UsageError(f"--{name} must be a comma-separated list of numbers, got {values}")
+
+
+def load_workload():
+    """The requests and their label, from --trace or the built-in generator."""
+    if not _TRACE.value:
+        reqs = tool_agent_workload(duration_s=_DURATION.value, seed=_SEED.value,
+                                   block_size=_BLOCK.value)
+        name = "toolagent"
+    else:
+        trace = load_trace(_TRACE.value, fmt=_FORMAT.value, block_size=_BLOCK.value,
+                           skip_malformed=_SKIP.value, rate=_LEVAL_RATE.value, seed=_SEED.value)
+        if trace.skipped:
+            logging.warning("skipped %d malformed lines of %s", trace.skipped, _TRACE.value)
+            print(f"skipped {trace.skipped} malformed lines of {_TRACE.value}")
+        reqs, name = trace.requests, trace.name
+    if _WINDOW.value > 0:
+        reqs = sample_window(reqs, _WINDOW.value, _SEED.value)
+    return reqs, name
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        degrees = tuple(int(d) for d in _DEGREES.value)
+    except ValueError:
+        raise app.UsageError(f"--degrees must be integers, got {_DEGREES.value}")
+    try:
+        cfg = ReplayConfig(
+            gpu=_GPU.value, model=_MODEL.value, profile_csv=_PROFILE.value or None,
+            num_gpus=_GPUS.value, degrees=degrees, systems=tuple(_SYSTEMS.value),
+            rates=_floats(_RATES.value, "rates"), load_factors=_floats(_LOADS.value, "load_factors"),
+            slo=_SLO.value, noise_sigma=_NOISE.value, seed=_SEED.value,
+            kv_blocks_per_gpu=_KV_BLOCKS.value,
+            sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3))
+        t0 = time.perf_counter()
+        requests, name = load_workload()
+        stats = workload_stats(requests)
+        print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
+              f"mean input {stats['input_mean']:.0f} tokens, prefix reuse {stats['reuse']:.1%}")
+        results, env = run_sweep(requests, name, cfg, progress=_PROGRESS.value)
+    except (ValueError, OSError) as e:
+        raise app.UsageError(str(e))
+    wall = time.perf_counter() - t0
+
+    os.makedirs(_OUT.value, exist_ok=True)
+    for r in results:
+        path = os.path.join(_OUT.value, f"{name}__{r['system']}__rate{r['request_rate']:.4g}.json")
+        with open(path, "w") as f:
+            json.dump(r, f, indent=1, sort_keys=True)
+    with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    fit = env.cost_model.fit_error()
+    header = (f"# Replay of `{name}` on {cfg.num_gpus} x {cfg.gpu}, {cfg.model}, SLO {cfg.slo}\n\n"
+              f"Cost-model fit error (mean / max relative) per CP degree: "
+              + ", ".join(f"C={c}: {m:.1%} / {x:.1%}" for c, (m, x) in fit.items()) + "\n\n")
+    table = report.markdown_table(results)
+    with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
+        f.write(header + table + "\n")
+    report.plot_vs_rate(results, os.path.join(_OUT.value, f"{name}.png"),
+                        f"{name}: {cfg.num_gpus} x {cfg.gpu}, {cfg.model}")
+    print(table)
+    print(f"\n{len(results)} runs in {wall:.1f} s; results in {_OUT.value}/")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,84 @@
+"""End-to-end replay: determinism, the CLI's outputs, capacity-rate definition."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from eval.experiment import ReplayConfig, ReplayEnv, run_sweep
+from eval.workloads import tool_agent_workload
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return tool_agent_workload(duration_s=90.0, seed=3)
+
+
+def test_same_seed_same_results_and_noise_changes_them(workload):
+    cfg = ReplayConfig(num_gpus=16, degrees=(2, 4), load_factors=(0.8,), seed=11)
+    a, _ = run_sweep(workload, "t", cfg)
+    b, _ = run_sweep(workload, "t", cfg)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    c, _ = run_sweep(workload, "t", ReplayConfig(num_gpus=16, degrees=(2, 4), load_factors=(0.8,),
+                                                 seed=12))
+    assert [r["mean_ttft_ms"] for r in a] != [r["mean_ttft_ms"] for r in c]
+    assert [r["system"] for r in a] == ["homogeneous-cp2", "homogeneous-cp4"]
+    assert [r["composition"] for r in a] == [[2] * 8, [4] * 4]
+    for r in a:
+        assert r["completed"] + r["failed"] == len(workload)
+
+
+def test_capacity_rate_matches_definition(workload):
+    cfg = ReplayConfig(num_gpus=8, degrees=(2,), noise_sigma=0.0)
+    env = ReplayEnv.build(cfg, 512, {2})
+    truth = env.ground_truth(cfg)
+    gpu_seconds = sum(2 * truth.seconds(2, r.input_len, 0) for r in workload)
+    assert env.capacity_rate(workload, 2) == pytest.approx(8 * len(workload) / gpu_seconds)
+    # SLO reference: the largest degree of the run, cold, plus transfer and first token.
+    assert env.isolated_ttft(8192) == pytest.approx(
+        truth.seconds(2, 8192, 0) + env.sim.first_token_seconds
+        + 8192 * env.sim.kv_bytes_per_token / (env.sim.kv_transfer_gb_per_s * 1e9))
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="gpu='a100x'"):
+        ReplayConfig(gpu="a100x")
+    with pytest.raises(ValueError, match="rates"):
+        ReplayConfig(rates=(1.0, -2.0))
+    with pytest.raises(ValueError, match="slo="):
+        ReplayConfig(slo="scale:-1")
+    with pytest.raises(ValueError, match="unknown system 'nope'"):
+        run_sweep(tool_agent_workload(duration_s=10.0), "t", ReplayConfig(systems=("nope",)))
+    with pytest.raises(ValueError, match="num_devices=6 must be a positive multiple of cp_degree=4"):
+        run_sweep(tool_agent_workload(duration_s=10.0), "t", ReplayConfig(num_gpus=6, degrees=(4,)))
+
+
+def test_cli_writes_json_table_and_plot(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=60", "--num_gpus=8",
+           "--degrees=2,4", "--rates=3,6", f"--output_dir={out}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| homogeneous-cp4 | 6.00 |" in proc.stdout
+    files = sorted(p.name for p in out.iterdir())
+    assert "summary.md" in files and "summary.json" in files and "toolagent.png" in files
+    run = json.loads((out / "toolagent__homogeneous-cp2__rate3.json").read_text())
+    for key in ("completed", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                "request_goodput", "slo_attainment", "token_weighted_slo_attainment",
+                "total_cached_tokens", "composition"):
+        assert key in run
+    assert run["request_rate"] == 3.0 and run["composition"] == [2, 2, 2, 2]
+
+
+def test_cli_rejects_bad_flag_values(tmp_path):
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=10", "--slo=fast",
+           f"--output_dir={tmp_path}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "slo='fast'" in proc.stderr + proc.stdout
