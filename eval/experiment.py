@@ -136,7 +136,7 @@ class ReplayEnv:
         def max_input_len(c: int) -> int:
             return min(truth.max_input_len(c), kv_blocks * c * block_size)
 
-        pool = PoolConfig(cfg.num_gpus, kv_blocks, max_input_len, cost_model)
+        pool = PoolConfig(cfg.num_gpus, kv_blocks, max_input_len, cost_model, tuple(cfg.degrees))
         sim = dataclasses.replace(cfg.sim, kv_bytes_per_token=model.kv_bytes_per_token)
         return cls(table, cost_model, pool, sim, max(degrees), block_size)
 
@@ -165,7 +165,7 @@ def run_degrees(cfg: ReplayConfig) -> set[int]:
     Raises:
       ValueError: an unknown system name or a composition that does not fit `num_gpus`.
     """
-    probe = PoolConfig(cfg.num_gpus, 1, lambda c: 1, None)
+    probe = PoolConfig(cfg.num_gpus, 1, lambda c: 1, None, tuple(cfg.degrees))
     return {c for n in cfg.system_names for c in build_system(n, probe).composition}
 
 

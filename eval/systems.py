@@ -3,9 +3,10 @@
 A system is built by name from a `PoolConfig` (GPU budget, KV blocks per GPU, the longest prompt
 per degree, the fitted cost model). Built in here:
 
-- `homogeneous-cpN`: every worker of CP degree N over the GPU budget, routed by least
-  outstanding work (the paper's homogeneous baseline; issue "The Vertumnus policies" adds
-  cache-aware routing and the heterogeneous systems).
+- `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
+  least-cost routing (`serving.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
+- `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
+- `vertumnus`: a mixed composition of `--degrees` (`mixed_degrees`) with the Vertumnus router.
 
 Research users add their own with `register_system(name, factory)`; `factory(pool) -> System`.
 """
@@ -16,6 +17,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
+from serving.cost_router import VertumnusRouter
 from serving.router import LeastWorkRouter, Router
 from serving.scheduler import CostModel, Scheduler
 from serving.worker import WorkerSpec, homogeneous_degrees, layout_workers
@@ -30,12 +32,14 @@ class PoolConfig:
       kv_blocks_per_gpu: KV blocks one device holds, >= 1.
       max_input_len: `cp_degree -> tokens`, the longest prompt a worker of that degree takes.
       cost_model: the routers' prefill-time estimate (`predict(cp, input_len, cached_len)`).
+      degrees: the CP degrees of the comparison (`--degrees`), for mixed compositions.
     """
 
     num_gpus: int
     kv_blocks_per_gpu: int
     max_input_len: Callable[[int], int]
     cost_model: CostModel
+    degrees: tuple[int, ...] = (2, 4)
 
     def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
         """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
@@ -76,10 +80,48 @@ def register_system(name: str, factory: Callable[[PoolConfig], System]) -> None:
 
 def _homogeneous(m: re.Match, pool: PoolConfig) -> System:
     c = int(m.group(1))
+    return System(m.group(0), pool.workers(homogeneous_degrees(pool.num_gpus, c)), VertumnusRouter())
+
+
+def _least_work(m: re.Match, pool: PoolConfig) -> System:
+    c = int(m.group(1))
     return System(m.group(0), pool.workers(homogeneous_degrees(pool.num_gpus, c)), LeastWorkRouter())
 
 
 _PATTERNS.append((re.compile(r"homogeneous-cp(\d+)"), _homogeneous))
+_PATTERNS.append((re.compile(r"leastwork-cp(\d+)"), _least_work))
+
+
+def mixed_degrees(num_gpus: int, degrees: Sequence[int]) -> list[int]:
+    """A static mixed composition: the GPU budget split evenly between the given degrees.
+
+    Each degree gets `num_gpus // len(degrees)` GPUs rounded down to a multiple of it; the
+    remainder goes to the smallest degree. E.g. 40 GPUs, degrees (2, 4): five CP-4 and ten CP-2.
+
+    Raises:
+      ValueError: an empty or non-power-of-two degree list, or a budget the degrees cannot fill.
+    """
+    if not degrees:
+        raise ValueError("degrees must name at least one CP degree")
+    ds = sorted(set(degrees), reverse=True)
+    share = num_gpus // len(ds)
+    out: list[int] = []
+    for c in ds:
+        out += homogeneous_degrees(share - share % c, c) if share >= c else []
+    rest = num_gpus - sum(out)
+    small = ds[-1]
+    if rest % small:
+        raise ValueError(f"num_gpus={num_gpus} cannot be split over degrees {list(degrees)}")
+    out += [small] * (rest // small)
+    return out
+
+
+def _vertumnus(pool: PoolConfig) -> System:
+    return System("vertumnus", pool.workers(mixed_degrees(pool.num_gpus, pool.degrees)),
+                  VertumnusRouter())
+
+
+register_system("vertumnus", _vertumnus)
 
 
 def build_system(name: str, pool: PoolConfig) -> System:
@@ -95,7 +137,7 @@ def build_system(name: str, pool: PoolConfig) -> System:
         m = pattern.fullmatch(name)
         if m:
             return factory(m, pool)
-    known = sorted(_REGISTRY) + ["homogeneous-cpN (N a power of two)"]
+    known = sorted(_REGISTRY) + ["homogeneous-cpN", "leastwork-cpN (N a power of two)"]
     raise ValueError(f"unknown system {name!r}; known: {', '.join(known)}")
 
 

@@ -18,7 +18,12 @@ from serving.worker import WorkerState
 
 
 class Router(Protocol):
-    """A routing policy."""
+    """A routing policy.
+
+    A router may also define `bind(scheduler)`: the `Scheduler` calls it once at construction,
+    so a router can keep references to `scheduler.cost_model` and `scheduler.prefix_index`
+    (the cluster-wide view of cached blocks). A router instance serves one scheduler.
+    """
 
     name: str
 

@@ -110,6 +110,9 @@ class Scheduler:
             raise ValueError(f"worker ids must be unique, got {ids}")
         self.cost_model = cost_model
         self.router = router
+        bind = getattr(router, "bind", None)
+        if bind is not None:  # routers that need the cost model or the prefix index
+            bind(self)
         self.backend = backend
         self.listener = listener or (lambda record: None)
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
