@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+_ABSENT = object()
+
 
 class LocalPrefixCache:
     """LRU block cache of one worker.
@@ -29,7 +31,7 @@ class LocalPrefixCache:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._lru: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent hash, oldest first
         self._reserved = 0  # blocks allocated to a running prefill, not yet cached
 
     def __len__(self) -> int:
@@ -105,7 +107,7 @@ class LocalPrefixCache:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = None
+                lru[h] = block_hashes[k - 1] if k else None
                 inserted.append(h)
         # Re-touch the hit so that ancestors stay more recent than the new descendants.
         for k in range(hit_blocks - 1, -1, -1):
@@ -117,4 +119,53 @@ class LocalPrefixCache:
     def evict_blocks(self, block_hashes: Sequence[int]) -> list[int]:
         """Drops the given blocks if present; returns those that were present."""
         lru = self._lru
-        return [h for h in block_hashes if lru.pop(h, 0) is None]
+        return [h for h in block_hashes if lru.pop(h, _ABSENT) is not _ABSENT]
+
+    def blocks(self) -> list[tuple[int, int | None]]:
+        """`(hash, parent hash)` of every cached block, least recently used first."""
+        return list(self._lru.items())
+
+    def adopt(self, blocks: Sequence[tuple[int, int | None]]) -> list[int]:
+        """Adds blocks (least recently used first, as `blocks()` gives them) as the most recent.
+
+        Blocks already present are skipped. When the cache overflows, its LRU blocks are evicted.
+
+        Returns:
+          The evicted hashes.
+        """
+        lru = self._lru
+        for h, parent in blocks:
+            if h not in lru:
+                lru[h] = parent
+        evicted = []
+        while len(lru) + self._reserved > self.capacity_blocks:
+            evicted.append(lru.popitem(last=False)[0])
+        return evicted
+
+
+def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPrefixCache, LocalPrefixCache]:
+    """The caches of the two halves of a split worker (paper section 6, cache coordination).
+
+    Each retained prefix is assigned to one half and the other half drops it: walking blocks from
+    the most to the least recent (ancestors are always more recent than their descendants), a
+    block whose parent is cached follows its parent; a root goes to the half holding fewer
+    blocks so far (balancing free capacity, the hottest roots first). Each half keeps the
+    recency order and holds at most `capacity_blocks`.
+
+    Raises:
+      ValueError: the cache has a prefill in progress (split a drained worker only).
+    """
+    if cache._reserved:
+        raise ValueError("cannot split a cache while a prefill holds reserved blocks")
+    halves = (LocalPrefixCache(capacity_blocks), LocalPrefixCache(capacity_blocks))
+    side: dict[int, int] = {}
+    picked: tuple[list, list] = ([], [])
+    for h, parent in reversed(cache.blocks()):
+        k = side.get(parent) if parent is not None else None
+        if k is None:
+            k = 0 if len(picked[0]) <= len(picked[1]) else 1
+        side[h] = k
+        picked[k].append((h, parent))
+    for half, items in zip(halves, picked):
+        half.adopt(items[::-1])  # back to least recent first
+    return halves

@@ -49,3 +49,13 @@ class Backend(Protocol):
         `Scheduler.fail` must follow for this (worker_id, request).
         """
         ...
+
+    def recarve(self, reconfiguration, now: float) -> None:
+        """Re-carves the (idle) old workers of a `scheduler.Reconfiguration` into its new ones.
+
+        Must not block. When every rank of the new workers has adopted the new geometry, the
+        backend calls `Scheduler.finish_reconfiguration(epoch, now, cached_blocks)` with the
+        blocks each new worker holds. Backends that never reconfigure may raise
+        NotImplementedError.
+        """
+        ...

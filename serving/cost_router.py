@@ -29,9 +29,10 @@ class VertumnusRouter:
     Args:
       beta: weight of the cache-aware prefill time S_w (dimensionless), >= 0. Default 1: the
         cost is then the predicted completion time of r on w.
-      lam: weight of the GPU-time cost G_w, in seconds per GPU-second, >= 0. Default 0.05: a
-        worker of degree 4 that saves 1 s of prefill over a degree-2 worker is worth it unless
-        it costs more than 20 extra GPU-seconds.
+      lam: weight of the GPU-time cost G_w, in seconds per GPU-second, >= 0. Default 1: a
+        GPU-second wasted is worth a second of this request's latency. Long prompts scale
+        almost linearly with C (G ~ 0), so they take the fastest worker; short prompts are
+        dominated by fixed costs (G ~ (C - 1) * T), so they stay on small degrees.
       cost_model: `predict(cp_degree, input_len, cached_len) -> seconds`; when None, the
         scheduler's (set by `bind`).
 
@@ -39,7 +40,7 @@ class VertumnusRouter:
       ValueError: negative beta or lam.
     """
 
-    def __init__(self, beta: float = 1.0, lam: float = 0.05, cost_model=None,
+    def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus") -> None:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")

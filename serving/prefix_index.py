@@ -17,35 +17,50 @@ class PrefixIndex:
     Costs: `insert`/`evict` O(blocks); `match_blocks` O(matched blocks + workers).
     """
 
-    __slots__ = ("_holders",)
+    __slots__ = ("_holders", "_counts")
 
     def __init__(self) -> None:
         self._holders: dict[int, set[int]] = {}
+        self._counts: dict[int, int] = {}
 
     def insert(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """Records that `worker_id` now holds each block of `block_hashes`."""
         holders = self._holders
+        added = 0
         for h in block_hashes:
             s = holders.get(h)
             if s is None:
                 holders[h] = {worker_id}
-            else:
+                added += 1
+            elif worker_id not in s:
                 s.add(worker_id)
+                added += 1
+        self._counts[worker_id] = self._counts.get(worker_id, 0) + added
 
     def evict(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """Records that `worker_id` no longer holds each block (unknown blocks are ignored)."""
         holders = self._holders
+        removed = 0
         for h in block_hashes:
             s = holders.get(h)
-            if s is not None:
+            if s is not None and worker_id in s:
                 s.discard(worker_id)
+                removed += 1
                 if not s:
                     del holders[h]
+        if removed:
+            self._counts[worker_id] -= removed
 
-    def drop_worker(self, worker_id: int) -> None:
-        """Forgets every block of `worker_id` (the worker left the pool)."""
-        for h in [h for h, s in self._holders.items() if worker_id in s]:
-            self.evict(worker_id, (h,))
+    def drop_worker(self, worker_id: int) -> list[int]:
+        """Forgets every block of `worker_id` (the worker left the pool); returns those blocks."""
+        blocks = [h for h, s in self._holders.items() if worker_id in s]
+        self.evict(worker_id, blocks)
+        self._counts.pop(worker_id, None)
+        return blocks
+
+    def num_blocks(self, worker_id: int) -> int:
+        """Blocks `worker_id` holds."""
+        return self._counts.get(worker_id, 0)
 
     def holders(self, block_hash: int) -> frozenset[int]:
         """Workers holding `block_hash`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from serving.request import Request
 
@@ -162,3 +162,45 @@ def homogeneous_degrees(num_devices: int, cp_degree: int) -> list[int]:
         raise ValueError(
             f"num_devices={num_devices} must be a positive multiple of cp_degree={cp_degree}")
     return [cp_degree] * (num_devices // cp_degree)
+
+
+def split_halves(spec: WorkerSpec, new_ids: tuple[int, int], max_input_len: Callable[[int], int]
+                 ) -> tuple[WorkerSpec, WorkerSpec]:
+    """The two aligned halves of a degree-2C worker (DESIGN.md: split keeps buddy groups).
+
+    KV capacity per device is kept; each half gets `max_input_len(C)`.
+
+    Raises:
+      ValueError: the worker has degree 1 (nothing to split).
+    """
+    if spec.cp_degree < 2:
+        raise ValueError(f"worker {spec.worker_id} has cp_degree=1 and cannot be split")
+    c = spec.cp_degree // 2
+    per_device = spec.kv_capacity_blocks // spec.cp_degree
+    return tuple(WorkerSpec(wid, c, spec.first_device + k * c, per_device * c, max_input_len(c))
+                 for k, wid in enumerate(new_ids))
+
+
+def are_buddies(a: WorkerSpec, b: WorkerSpec) -> bool:
+    """True when `a` and `b` are the two halves of one aligned group of degree 2C."""
+    c = a.cp_degree
+    if b.cp_degree != c:
+        return False
+    lo = min(a.first_device, b.first_device)
+    return abs(a.first_device - b.first_device) == c and lo % (2 * c) == 0
+
+
+def merge_buddies(a: WorkerSpec, b: WorkerSpec, new_id: int,
+                  max_input_len: Callable[[int], int]) -> WorkerSpec:
+    """The degree-2C worker made of buddies `a` and `b`.
+
+    Raises:
+      ValueError: `a` and `b` are not buddies (not the two halves of one aligned group).
+    """
+    if not are_buddies(a, b):
+        raise ValueError(f"workers {a.worker_id} (C={a.cp_degree}, devices from {a.first_device}) "
+                         f"and {b.worker_id} (C={b.cp_degree}, devices from {b.first_device}) are not "
+                         "buddies: merge needs the two aligned halves of one group")
+    c = 2 * a.cp_degree
+    per_device = a.kv_capacity_blocks // a.cp_degree
+    return WorkerSpec(new_id, c, min(a.first_device, b.first_device), per_device * c, max_input_len(c))

@@ -1,0 +1,248 @@
+"""Cluster-level reconfiguration controller: when to split and merge (paper section 6).
+
+Demand is measured as the *predicted prefill GPU-seconds arriving per second* (each arrival
+weighs `C_min * T(C_min, L, h)`, so long prompts count by their work, i.e. token-weighted),
+divided by the pool's capacity (its GPU count), and smoothed over a sliding window:
+
+    load(t) = sum_{arrivals in (t - window, t]} C_min * T(C_min, L_i, h_i) / (window * num_gpus)
+
+- load above `upper` for `hold_s` -> **split** one worker of degree 2C into two of degree C
+  (more, smaller workers: more parallel queues, less GPU time lost to small prompts);
+- load below `lower` for `hold_s` -> **merge** two buddy workers of degree C into one 2C
+  (fewer, faster workers: lower TTFT when queues are short);
+- load stable (within `stable_band` of the load when the long-request share was last reset)
+  and the token share of long requests (`>= long_threshold` tokens) rising by more than
+  `long_share_rise` -> **merge**.
+
+Candidates are ranked by predicted drain interval (the outstanding work of the workers
+concerned, seconds), then by the KV reconciliation traffic the change implies (cached blocks
+of the workers concerned). One reconfiguration at a time, then a `cooldown_s` pause.
+
+`initial_composition` picks the starting mix from historical demand: among compositions of the
+allowed degrees with enough capacity, the one with the most large-degree workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from serving.request import Request
+from serving.worker import WorkerSpec, WorkerStatus, are_buddies, merge_buddies, split_halves
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """Thresholds of the controller (see the module docstring); times in seconds.
+
+    Raises:
+      ValueError: naming the field, for a value out of range (0 <= lower < upper, positive
+        window, non-negative hold and cooldown, long_share_rise in (0, 1]).
+    """
+
+    upper: float = 0.75
+    lower: float = 0.35
+    window_s: float = 30.0
+    hold_s: float = 10.0
+    cooldown_s: float = 20.0
+    long_threshold: int = 16384
+    long_share_rise: float = 0.2
+    stable_band: float = 0.15
+    min_degree: int = 1
+    max_degree: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lower < self.upper:
+            raise ValueError(f"need 0 <= lower < upper, got lower={self.lower}, upper={self.upper}")
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0 seconds, got {self.window_s}")
+        if self.hold_s < 0 or self.cooldown_s < 0:
+            raise ValueError(f"hold_s and cooldown_s must be >= 0, got {self.hold_s}, {self.cooldown_s}")
+        if not 0 < self.long_share_rise <= 1:
+            raise ValueError(f"long_share_rise must be in (0, 1], got {self.long_share_rise}")
+        if not 1 <= self.min_degree <= self.max_degree:
+            raise ValueError(f"need 1 <= min_degree <= max_degree, got {self.min_degree}, {self.max_degree}")
+
+
+class ReconfigurationController:
+    """Splits and merges workers as load changes; a `Scheduler` tick hook.
+
+    Args:
+      config: `ControllerConfig`.
+      num_gpus: the pool's GPU count (capacity in GPU-seconds per second).
+      max_input_len: `cp_degree -> tokens` for the workers it creates.
+
+    Use: `controller.attach(scheduler)` registers its submit and tick hooks. `decisions` logs
+    every decision with its load figures.
+    """
+
+    def __init__(self, config: ControllerConfig, num_gpus: int,
+                 max_input_len: Callable[[int], int]) -> None:
+        self.config = config
+        self.num_gpus = num_gpus
+        self.max_input_len = max_input_len
+        self.decisions: list[dict] = []
+        self._arrivals: deque[tuple[float, float, int, bool]] = deque()  # (t, gpu_s, tokens, long)
+        self._gpu_s = 0.0
+        self._tokens = 0
+        self._long_tokens = 0
+        self._high_since: float | None = None
+        self._low_since: float | None = None
+        self._quiet_until = 0.0
+        self._ref_share: float | None = None
+        self._ref_load = 0.0
+        self._scheduler = None
+
+    def attach(self, scheduler) -> None:
+        self._scheduler = scheduler
+        scheduler.submit_hooks.append(self.observe)
+        scheduler.tick_hooks.append(self.tick)
+
+    # ------------------------------------------------------------------------- demand
+    def observe(self, request: Request, now: float) -> None:
+        """Counts an arrival's predicted GPU-seconds at the smallest degree."""
+        s = self._scheduler
+        c = self.config.min_degree
+        h = s.prefix_index.global_match_blocks(request.block_hashes, request.max_cacheable_blocks)
+        gpu_s = c * s.cost_model.predict(c, request.input_len, h * request.block_size)
+        is_long = request.input_len >= self.config.long_threshold
+        self._arrivals.append((now, gpu_s, request.input_len, is_long))
+        self._gpu_s += gpu_s
+        self._tokens += request.input_len
+        self._long_tokens += request.input_len if is_long else 0
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.config.window_s
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= horizon:
+            _, g, n, is_long = arrivals.popleft()
+            self._gpu_s -= g
+            self._tokens -= n
+            self._long_tokens -= n if is_long else 0
+        if not arrivals:
+            self._gpu_s, self._tokens, self._long_tokens = 0.0, 0, 0
+
+    def load(self, now: float) -> float:
+        """Smoothed demand over capacity (dimensionless; 1 = every GPU busy)."""
+        self._expire(now)
+        return self._gpu_s / (self.config.window_s * self.num_gpus)
+
+    def long_share(self, now: float) -> float:
+        """Token share of long requests among the window's arrivals."""
+        self._expire(now)
+        return self._long_tokens / self._tokens if self._tokens else 0.0
+
+    # ------------------------------------------------------------------------- decisions
+    def tick(self, scheduler, now: float) -> None:
+        """Decides at most one split or merge (the scheduler's periodic hook)."""
+        cfg = self.config
+        load, share = self.load(now), self.long_share(now)
+        self._high_since = (self._high_since if self._high_since is not None else now) \
+            if load > cfg.upper else None
+        self._low_since = (self._low_since if self._low_since is not None else now) \
+            if load < cfg.lower else None
+        if self._ref_share is None or abs(load - self._ref_load) > cfg.stable_band:
+            self._ref_share, self._ref_load = share, load
+        if scheduler.reconfigurations or now < self._quiet_until:
+            return
+        reason = None
+        if self._high_since is not None and now - self._high_since >= cfg.hold_s:
+            op, reason = self._split(scheduler, now), "load above upper threshold"
+        elif self._low_since is not None and now - self._low_since >= cfg.hold_s:
+            op, reason = self._merge(scheduler, now), "load below lower threshold"
+        elif share - self._ref_share > cfg.long_share_rise:
+            op, reason = self._merge(scheduler, now), "long-request share rising"
+        else:
+            return
+        if op is None:
+            return
+        rec = scheduler.begin_reconfiguration(*op, now)
+        self._quiet_until = now + cfg.cooldown_s
+        self._high_since = self._low_since = None
+        self._ref_share, self._ref_load = share, load
+        self.decisions.append({"time": now, "kind": rec.kind, "reason": reason, "load": load,
+                               "long_share": share, "old": list(rec.old_ids),
+                               "new": [s.worker_id for s in rec.new_specs], "epoch": rec.epoch})
+
+    def _cost(self, scheduler, workers, now) -> tuple[float, int]:
+        drain = max(w.outstanding_seconds(now) for w in workers)
+        traffic = sum(scheduler.prefix_index.num_blocks(w.worker_id) for w in workers)
+        return drain, traffic
+
+    def _split(self, scheduler, now):
+        cands = [w for w in scheduler.workers.values()
+                 if w.status is WorkerStatus.ACTIVE and w.cp_degree > self.config.min_degree]
+        if not cands:
+            return None
+        w = min(cands, key=lambda w: (self._cost(scheduler, [w], now), w.spec.first_device))
+        new = split_halves(w.spec, scheduler.new_worker_ids(2), self.max_input_len)
+        return "split", [w.worker_id], list(new)
+
+    def _merge(self, scheduler, now):
+        active = [w for w in scheduler.workers.values()
+                  if w.status is WorkerStatus.ACTIVE and 2 * w.cp_degree <= self.config.max_degree]
+        pairs = [(a, b) for a, b in itertools.combinations(active, 2) if are_buddies(a.spec, b.spec)]
+        if not pairs:
+            return None
+        a, b = min(pairs, key=lambda p: (self._cost(scheduler, p, now),
+                                         min(p[0].spec.first_device, p[1].spec.first_device)))
+        [new_id] = scheduler.new_worker_ids(1)
+        return "merge", [a.worker_id, b.worker_id], [merge_buddies(a.spec, b.spec, new_id,
+                                                                   self.max_input_len)]
+
+
+def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
+    """Every multiset of the given degrees that uses exactly `num_gpus` devices."""
+    ds = sorted(set(degrees), reverse=True)
+    out: list[list[int]] = []
+
+    def rec(i: int, left: int, acc: list[int]) -> None:
+        if i == len(ds) - 1:
+            if left % ds[i] == 0:
+                out.append(acc + [ds[i]] * (left // ds[i]))
+            return
+        for n in range(left // ds[i], -1, -1):
+            rec(i + 1, left - n * ds[i], acc + [ds[i]] * n)
+
+    rec(0, num_gpus, [])
+    return out
+
+
+def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
+                        mean_prefill_seconds: Callable[[int], float], target_load: float) -> list[int]:
+    """The starting composition from historical demand (paper section 6).
+
+    A composition's capacity is `sum_w 1 / mean_prefill_seconds(C_w)` requests per second
+    (each worker serves one prefill at a time). Among compositions whose capacity times
+    `target_load` covers `rate`, pick the one with the most large-degree workers (compared
+    largest degree first); when none has enough capacity, the one with the most capacity.
+
+    Args:
+      num_gpus: devices to fill.
+      degrees: allowed CP degrees (powers of two).
+      rate: historical request rate, req/s (> 0).
+      mean_prefill_seconds: degree -> mean predicted prefill time of the historical mix (s).
+      target_load: in (0, 1]: the utilisation the composition may run at.
+
+    Raises:
+      ValueError: no composition of `degrees` fills `num_gpus`, or a bad rate / target_load.
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 req/s, got {rate}")
+    if not 0 < target_load <= 1:
+        raise ValueError(f"target_load must be in (0, 1], got {target_load}")
+    options = compositions(num_gpus, degrees)
+    if not options:
+        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus}")
+    t = {c: mean_prefill_seconds(c) for c in set(degrees)}
+
+    def capacity(comp):
+        return sum(1.0 / t[c] for c in comp)
+
+    enough = [c for c in options if capacity(c) * target_load >= rate]
+    if not enough:
+        return max(options, key=capacity)
+    ds = sorted(set(degrees), reverse=True)
+    return max(enough, key=lambda comp: tuple(comp.count(d) for d in ds))
