@@ -13,6 +13,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -36,6 +37,9 @@ _OUT = flags.DEFINE_string("output_json", "out/bench_sim.json", "Where the JSON 
 
 def main(argv):
     del argv
+    if not os.path.isfile(_TRACE.value):
+        sys.exit(f"error: trace {_TRACE.value} not found; pass --trace=PATH to the Mooncake "
+                 "conversation trace (kvcache-ai/Mooncake, FAST25-release/traces/)")
     trace = load_trace(_TRACE.value)
     cfg = ReplayConfig(num_gpus=40, systems=tuple(_SYSTEMS.value))
     degrees = run_degrees(cfg)

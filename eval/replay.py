@@ -4,9 +4,10 @@ With no flags it replays the built-in Tool-Agent workload on 40 simulated H20 GP
 Qwen3-30B-A3B, as homogeneous CP-2 and CP-4 pools at three load levels, prints the summary
 table and writes, under `--output_dir`:
 
-- `<trace>__<system>__rate<r>.json`: one per (system, rate), `vllm bench serve` key names plus
+- `<trace>__<system>__rate<r>.json`: one per (system, rate; r in req/s with 3 decimals),
+  `vllm bench serve` key names plus
   ours (see `eval.metrics`);
-- `summary.md` (the table) and `summary.json` (all results);
+- `<trace>__summary.md` (the table) and `<trace>__summary.json` (all results);
 - `<trace>.png`: mean TTFT, P90 TTFT and token-weighted SLO attainment against request rate.
 
 Real traces: `--trace=../shared/traces/mooncake/conversation_trace.jsonl` (format from the
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from eval import report
-from eval.experiment import ReplayConfig, run_sweep
+from eval.experiment import ReplayConfig, run_degrees, run_sweep
 from eval.simulator import SimConfig
 from eval.traces import load_trace, sample_window
 from eval.workloads import tool_agent_workload, workload_stats
@@ -43,7 +45,8 @@ _WINDOW = flags.DEFINE_float("window", 0.0, "If > 0, replay a seeded random wind
 _SYSTEMS = flags.DEFINE_list("systems", ["homogeneous"], "Systems to compare "
                              "(`homogeneous` = one homogeneous-cpN per --degrees entry).")
 _DEGREES = flags.DEFINE_list("degrees", ["2", "4"], "CP degrees for the `homogeneous` shorthand.")
-_RATES = flags.DEFINE_list("rates", [], "Request rates to sweep (req/s); overrides --load_factors.")
+_RATES = flags.DEFINE_list("rates", [], "Request rates to sweep (req/s; `native` = the trace's own "
+                           "arrival times); overrides --load_factors.")
 _LOADS = flags.DEFINE_list("load_factors", ["0.6", "0.9", "1.2"],
                            "Rates as multiples of the pool's cold capacity rate (see eval.experiment).")
 _GPUS = flags.DEFINE_integer("num_gpus", 40, "GPU budget of every system.", lower_bound=1)
@@ -64,11 +67,18 @@ _OUT = flags.DEFINE_string("output_dir", "out/replay", "Where JSON, table and pl
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar over the sweep.")
 
 
-def _floats(values, name):
-    try:
-        return tuple(float(v) for v in values)
-    except ValueError:
-        raise app.UsageError(f"--{name} must be a comma-separated list of numbers, got {values}")
+def _floats(values, name, native=None):
+    out = []
+    for v in values:
+        if v == "native" and native is not None:
+            out.append(native)
+            continue
+        try:
+            out.append(float(v))
+        except ValueError:
+            raise ValueError(f"--{name} must be a comma-separated list of numbers"
+                             f"{' or native' if native is not None else ''}, got {values}") from None
+    return tuple(out)
 
 
 def load_workload():
@@ -81,7 +91,6 @@ def load_workload():
         trace = load_trace(_TRACE.value, fmt=_FORMAT.value, block_size=_BLOCK.value,
                            skip_malformed=_SKIP.value, rate=_LEVAL_RATE.value, seed=_SEED.value)
         if trace.skipped:
-            logging.warning("skipped %d malformed lines of %s", trace.skipped, _TRACE.value)
             print(f"skipped {trace.skipped} malformed lines of {_TRACE.value}")
         reqs, name = trace.requests, trace.name
     if _WINDOW.value > 0:
@@ -93,40 +102,47 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        degrees = tuple(int(d) for d in _DEGREES.value)
-    except ValueError:
-        raise app.UsageError(f"--degrees must be integers, got {_DEGREES.value}")
-    try:
-        cfg = ReplayConfig(
+        try:
+            degrees = tuple(int(d) for d in _DEGREES.value)
+        except ValueError:
+            raise ValueError(f"--degrees must be integers, got {_DEGREES.value}") from None
+        settings = dict(
             gpu=_GPU.value, model=_MODEL.value, profile_csv=_PROFILE.value or None,
             num_gpus=_GPUS.value, degrees=degrees, systems=tuple(_SYSTEMS.value),
-            rates=_floats(_RATES.value, "rates"), load_factors=_floats(_LOADS.value, "load_factors"),
-            slo=_SLO.value, noise_sigma=_NOISE.value, seed=_SEED.value,
-            kv_blocks_per_gpu=_KV_BLOCKS.value,
+            load_factors=_floats(_LOADS.value, "load_factors"), slo=_SLO.value,
+            noise_sigma=_NOISE.value, seed=_SEED.value, kv_blocks_per_gpu=_KV_BLOCKS.value,
             sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3))
+        run_degrees(ReplayConfig(**settings))  # unknown systems fail before loading anything
         t0 = time.perf_counter()
         requests, name = load_workload()
+        if not requests:
+            raise ValueError(f"the workload {name!r} has no requests")
         stats = workload_stats(requests)
+        cfg = ReplayConfig(**settings, rates=_floats(_RATES.value, "rates", native=stats["rate"]))
         print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
-              f"mean input {stats['input_mean']:.0f} tokens, prefix reuse {stats['reuse']:.1%}")
+              f"mean input {stats['input_mean']:.0f} tokens, prefix reuse with an unbounded shared "
+              f"cache {stats['reuse']:.1%}")
         results, env = run_sweep(requests, name, cfg, progress=_PROGRESS.value)
     except (ValueError, OSError) as e:
-        raise app.UsageError(str(e))
+        sys.exit(f"error: {e}")
     wall = time.perf_counter() - t0
 
+    extra = {"degrees": list(degrees), "window_s": _WINDOW.value, "block_size": _BLOCK.value,
+             "kv_transfer_gb_per_s": _XFER.value, "first_token_ms": _FIRST.value}
     os.makedirs(_OUT.value, exist_ok=True)
     for r in results:
-        path = os.path.join(_OUT.value, f"{name}__{r['system']}__rate{r['request_rate']:.4g}.json")
+        r.update(extra)
+        path = os.path.join(_OUT.value, f"{name}__{r['system']}__rate{r['request_rate']:.3f}.json")
         with open(path, "w") as f:
             json.dump(r, f, indent=1, sort_keys=True)
-    with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
+    with open(os.path.join(_OUT.value, f"{name}__summary.json"), "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
     fit = env.cost_model.fit_error()
     header = (f"# Replay of `{name}` on {cfg.num_gpus} x {cfg.gpu}, {cfg.model}, SLO {cfg.slo}\n\n"
               f"Cost-model fit error (mean / max relative) per CP degree: "
               + ", ".join(f"C={c}: {m:.1%} / {x:.1%}" for c, (m, x) in fit.items()) + "\n\n")
     table = report.markdown_table(results)
-    with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
+    with open(os.path.join(_OUT.value, f"{name}__summary.md"), "w") as f:
         f.write(header + table + "\n")
     report.plot_vs_rate(results, os.path.join(_OUT.value, f"{name}.png"),
                         f"{name}: {cfg.num_gpus} x {cfg.gpu}, {cfg.model}")

@@ -423,7 +423,8 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
                 header = f.readline()
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
-            raise ValueError(f"cannot tell the format of {spec!r}: give fmt as one of {formats}")
+            raise ValueError(f"cannot tell the format of {spec!r} from its name or header: give it "
+                             f"(--trace_format, or a 'mooncake:'/'azure:'/'leval:' prefix) as one of {formats}")
     if fmt == "mooncake":
         return load_mooncake(path, block_size=block_size, skip_malformed=skip_malformed)
     if fmt == "azure":

@@ -44,7 +44,7 @@ _BLOCK_K = flags.DEFINE_integer("block_k", 0, "Kernel block_k; 0 = backend defau
 _NUM_WARPS = flags.DEFINE_integer("num_warps", 0, "Triton warps; 0 = heuristic.")
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 0, "Triton stages; 0 = backend default.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON path; default "
-                              "pallas_kernels/results/flash_attention_<backend>.json.")
+                              "out/flash_attention_<backend>.json (GPU runs to keep: --output=pallas_kernels/results/...).")
 
 _ROUND = 128  # new-token counts are multiples of this
 
@@ -186,8 +186,7 @@ def main(argv):
         "iters": _ITERS.value,
         "rows": rows,
     }
-    output = _OUTPUT.value or os.path.join(
-        os.path.dirname(__file__), "results", f"flash_attention_{backend}.json")
+    output = _OUTPUT.value or os.path.join("out", f"flash_attention_{backend}.json")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as f:
         json.dump(result, f, indent=2)

@@ -67,8 +67,8 @@ def test_cli_writes_json_table_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| homogeneous-cp4 | 6.00 |" in proc.stdout
     files = sorted(p.name for p in out.iterdir())
-    assert "summary.md" in files and "summary.json" in files and "toolagent.png" in files
-    run = json.loads((out / "toolagent__homogeneous-cp2__rate3.json").read_text())
+    assert {"toolagent__summary.md", "toolagent__summary.json", "toolagent.png"} <= set(files)
+    run = json.loads((out / "toolagent__homogeneous-cp2__rate3.000.json").read_text())
     for key in ("completed", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                 "request_goodput", "slo_attainment", "token_weighted_slo_attainment",
                 "total_cached_tokens", "composition"):
@@ -81,4 +81,16 @@ def test_cli_rejects_bad_flag_values(tmp_path):
            f"--output_dir={tmp_path}", "--progress=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "slo='fast'" in proc.stderr + proc.stdout
+    assert "error: slo='fast'" in proc.stderr
+    assert "USAGE" not in proc.stderr  # the message, not a page of usage text
+
+
+def test_cli_native_rate_keeps_arrival_times(tmp_path):
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=60", "--num_gpus=8",
+           "--degrees=4", "--rates=native", f"--output_dir={tmp_path}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [result] = json.loads((tmp_path / "toolagent__summary.json").read_text())
+    native = tool_agent_workload(duration_s=60.0, seed=0)
+    assert result["request_rate"] == pytest.approx((len(native) - 1) / (
+        native[-1].arrival_time - native[0].arrival_time))

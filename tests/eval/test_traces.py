@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -16,7 +17,10 @@ from eval.traces import (Trace, TraceFormatError, load_azure, load_leval, load_m
 from eval.workloads import reuse_fraction
 from serving.request import Request, chain_block_hashes
 
-TRACES = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+# The public traces live beside the repository (../shared/traces); VERTUMNUS_TRACES_DIR points
+# elsewhere for a checkout that is not laid out that way.
+TRACES = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or
+                      pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces")
 CONV = TRACES / "mooncake" / "conversation_trace.jsonl"
 SYNTH = TRACES / "mooncake" / "synthetic_trace.jsonl"
 AZURE = TRACES / "azure2023" / "AzureLLMInferenceTrace_code.csv"
