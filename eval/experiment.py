@@ -2,9 +2,8 @@
 
 The library behind `eval.replay`, importable for research:
 
-    cfg = ReplayConfig(num_gpus=40, degrees=(2, 4))
-    env = ReplayEnv.build(cfg, block_size=512)
-    results = run_sweep(requests, "toolagent", cfg, env)
+    cfg = ReplayConfig(num_gpus=40, degrees=(2, 4), systems=("homogeneous", "vllm-tp4"))
+    results, env = run_sweep(requests, "toolagent", cfg)
 
 Ground truth and router estimate are kept apart (DESIGN.md): the simulator charges prefill time
 from a profile table (`GroundTruthProfile`, with seeded lognormal noise), the routers predict it
@@ -15,17 +14,18 @@ fit error and knows nothing of the noise.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from eval.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
 from eval.simulator import SimConfig, simulate
 from eval.slo import SloSpec, assign_slos
-from eval.systems import PoolConfig, build_system, expand_systems
+from eval.systems import PoolConfig, System, build_system, expand_systems
 from eval.workloads import scale_to_rate
 from serving.cost_model import PrefillCostModel
 from serving.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
 from serving.request import Request
+from serving.scheduler import RequestRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,14 @@ class ReplayConfig:
 
 @dataclasses.dataclass
 class ReplayEnv:
-    """The profile, cost model, pool and SLO reference derived from a `ReplayConfig`."""
+    """The profiles, cost models, pools and SLO reference derived from a `ReplayConfig`.
+
+    `table`, `cost_model` and `pool` are the context-parallel ("cp") ones; `pools` holds one
+    `PoolConfig` per parallelism the run uses ("cp" always, "tp" when a TP system takes part),
+    each with the cost model fitted to that parallelism's profile, and `tables` the profiles.
+    A `profile_csv` replaces the analytic profile for "cp" only; "tp" is always analytic
+    (`serving.profiles.generate_profile(..., parallelism="tp")`).
+    """
 
     table: ProfileTable
     cost_model: PrefillCostModel
@@ -104,16 +111,33 @@ class ReplayEnv:
     sim: SimConfig
     reference_degree: int
     block_size: int
+    tables: dict[str, ProfileTable] = dataclasses.field(default_factory=dict)
+    pools: dict[str, PoolConfig] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tables.setdefault("cp", self.table)
+        self.pools.setdefault("cp", self.pool)
 
     @classmethod
-    def build(cls, cfg: ReplayConfig, block_size: int, all_degrees: Iterable[int]) -> ReplayEnv:
-        """Builds the environment for a run whose systems use `all_degrees`.
+    def build(cls, cfg: ReplayConfig, block_size: int, all_degrees: Iterable[int],
+              tp_degrees: Iterable[int] = ()) -> ReplayEnv:
+        """Builds the environment for a run whose CP systems use `all_degrees` and whose TP
+        systems (if any) use `tp_degrees`.
+
+        KV blocks per GPU, when derived from HBM: `(hbm_gb * 1e9 * hbm_utilization - W / T) *
+        min(T, kv_heads) / T / (kv_bytes_per_token * block_size)` with W the weight bytes and T
+        the TP ways (T = 1 for CP: every device holds a full weight replica; TP shards weights
+        and KV heads T ways, KV heads replicated beyond kv_heads); for "tp" at the smallest TP
+        degree of the run (the tightest).
 
         Raises:
-          ValueError: the model's weights leave no room for KV on the GPU, or the profile lacks
-            a degree the systems use.
+          ValueError: the model's weights leave no room for KV on the GPU, the profile lacks
+            a degree the systems use, or no degree is given.
         """
         degrees = sorted(set(all_degrees))
+        tp = sorted(set(tp_degrees))
+        if not degrees:
+            raise ValueError("all_degrees must name at least one CP degree")
         model = MODELS[cfg.model]
         if cfg.profile_csv:
             table = read_profile_csv(cfg.profile_csv)
@@ -122,27 +146,64 @@ class ReplayEnv:
         missing = [c for c in degrees if c not in table.degrees]
         if missing:
             raise ValueError(f"profile has no rows for CP degrees {missing} (it has {list(table.degrees)})")
-        kv_blocks = cfg.kv_blocks_per_gpu
-        if kv_blocks == 0:
-            free = GPUS[cfg.gpu].hbm_gb * 1e9 * cfg.hbm_utilization - model.weight_bytes
-            kv_blocks = int(free // (model.kv_bytes_per_token * block_size))
-            if kv_blocks < 1:
-                raise ValueError(
-                    f"model={cfg.model} ({model.weight_bytes / 1e9:.0f} GB of weights) leaves no KV "
-                    f"room on gpu={cfg.gpu} ({GPUS[cfg.gpu].hbm_gb} GB); set kv_blocks_per_gpu")
-        truth = GroundTruthProfile(table)
-        cost_model = PrefillCostModel.fit(table)
+        tables = {"cp": table}
+        if tp:
+            tables["tp"] = generate_profile(cfg.gpu, cfg.model, degrees=tuple(tp),
+                                            parallelism="tp")
+        pools = {}
+        for par, tab in tables.items():
+            kv_blocks = cfg.kv_blocks_per_gpu or _kv_blocks_per_gpu(
+                cfg, block_size, tp[0] if par == "tp" else 1)
+            truth = GroundTruthProfile(tab)
 
-        def max_input_len(c: int) -> int:
-            return min(truth.max_input_len(c), kv_blocks * c * block_size)
+            def max_input_len(c: int, truth=truth, kv_blocks=kv_blocks) -> int:
+                return min(truth.max_input_len(c), kv_blocks * c * block_size)
 
-        pool = PoolConfig(cfg.num_gpus, kv_blocks, max_input_len, cost_model, tuple(cfg.degrees))
+            pools[par] = PoolConfig(
+                cfg.num_gpus, kv_blocks, max_input_len, PrefillCostModel.fit(tab),
+                tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.kv_transfer_gb_per_s, par)
         sim = dataclasses.replace(cfg.sim, kv_bytes_per_token=model.kv_bytes_per_token)
-        return cls(table, cost_model, pool, sim, max(degrees), block_size)
+        return cls(table, pools["cp"].cost_model, pools["cp"], sim, max(degrees), block_size,
+                   tables, pools)
 
-    def ground_truth(self, cfg: ReplayConfig) -> GroundTruthProfile:
-        """A fresh ground-truth clock (same seed, so every system draws the same noise stream)."""
-        return GroundTruthProfile(self.table, noise_sigma=cfg.noise_sigma, seed=cfg.seed)
+    def cost_model_for(self, parallelism: str = "cp") -> PrefillCostModel:
+        """The router's fitted cost model for `parallelism`.
+
+        Raises:
+          ValueError: the run has no profile for that parallelism.
+        """
+        return self._pool_for(parallelism).cost_model
+
+    def _pool_for(self, parallelism: str) -> PoolConfig:
+        try:
+            return self.pools[parallelism]
+        except KeyError:
+            raise ValueError(f"this run has no {parallelism!r} profile (it has "
+                             f"{sorted(self.pools)}); build the env with its degrees") from None
+
+    def build_system(self, name: str) -> System:
+        """`eval.systems.build_system` on the pool of the system's parallelism.
+
+        Raises:
+          ValueError: as `build_system`, or a parallelism this env has no profile for.
+        """
+        system = build_system(name, self.pool)
+        if system.parallelism != "cp":
+            system = build_system(name, self._pool_for(system.parallelism))
+        return system
+
+    def ground_truth(self, cfg: ReplayConfig, parallelism: str = "cp") -> GroundTruthProfile:
+        """A fresh ground-truth clock (same seed, so every system draws the same noise stream)
+        from the profile of `parallelism`.
+
+        Raises:
+          ValueError: the run has no profile for that parallelism.
+        """
+        if parallelism not in self.tables:
+            raise ValueError(f"this run has no {parallelism!r} profile (it has "
+                             f"{sorted(self.tables)})")
+        return GroundTruthProfile(self.tables[parallelism], noise_sigma=cfg.noise_sigma,
+                                  seed=cfg.seed)
 
     def isolated_ttft(self, input_len: int) -> float:
         """Cold prefill alone on the reference degree, plus KV transfer and first token (s)."""
@@ -159,25 +220,61 @@ class ReplayEnv:
         return self.pool.num_gpus * len(gpu_s) / sum(gpu_s)
 
 
-def run_degrees(cfg: ReplayConfig) -> set[int]:
-    """CP degrees used by the initial compositions of `cfg`'s systems.
+def _kv_blocks_per_gpu(cfg: ReplayConfig, block_size: int, tp_ways: int) -> int:
+    model = MODELS[cfg.model]
+    free = GPUS[cfg.gpu].hbm_gb * 1e9 * cfg.hbm_utilization - model.weight_bytes / tp_ways
+    # A worker's tokens: free * min(T, kv_heads) / kv_bytes_per_token; per GPU of the worker
+    # (capacity = kv_blocks_per_gpu * T blocks) that is 1/T of it.
+    token_bytes = model.kv_bytes_per_token * tp_ways / min(tp_ways, model.num_kv_heads)
+    kv_blocks = int(free // (token_bytes * block_size)) if free > 0 else 0
+    if kv_blocks < 1:
+        raise ValueError(
+            f"model={cfg.model} ({model.weight_bytes / 1e9:.0f} GB of weights) leaves no KV "
+            f"room on gpu={cfg.gpu} ({GPUS[cfg.gpu].hbm_gb} GB); set kv_blocks_per_gpu")
+    return kv_blocks
+
+
+def run_parallel_degrees(cfg: ReplayConfig) -> dict[str, set[int]]:
+    """Degrees used by the initial compositions of `cfg`'s systems, per parallelism.
 
     Raises:
       ValueError: an unknown system name or a composition that does not fit `num_gpus`.
     """
     probe = PoolConfig(cfg.num_gpus, 1, lambda c: 1, None, tuple(cfg.degrees))
-    return {c for n in cfg.system_names for c in build_system(n, probe).composition}
+    out: dict[str, set[int]] = {}
+    for n in cfg.system_names:
+        system = build_system(n, probe)
+        out.setdefault(system.parallelism, set()).update(system.composition)
+    return out
+
+
+def run_degrees(cfg: ReplayConfig) -> set[int]:
+    """Degrees used by the initial compositions of `cfg`'s systems (all parallelisms).
+
+    Raises:
+      ValueError: an unknown system name or a composition that does not fit `num_gpus`.
+    """
+    return set().union(*run_parallel_degrees(cfg).values())
 
 
 def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
-              progress: bool = False) -> tuple[list[dict], ReplayEnv]:
+              progress: bool = False,
+              on_records: Callable[[str, float, list[RequestRecord]], None] | None = None,
+              ) -> tuple[list[dict], ReplayEnv]:
     """Replays `requests` through every system of `cfg` at every rate.
+
+    Each system is simulated with the ground truth and the router cost model of its own
+    parallelism (`System.parallelism`: TP systems are charged TP prefill times). The load
+    factors' capacity rate and the SLO reference use the CP profile (of the TP degrees when the
+    run has no CP system), so every system of a run sees the same rates and SLOs.
 
     Args:
       requests: the workload, sorted by arrival (its own rate is replaced by each swept rate).
       trace_name: a label written into each result.
       cfg: the comparison.
       progress: show a tqdm bar over (system, rate) runs.
+      on_records: called after each run as `on_records(system_name, rate, records)` with the
+        run's `RequestRecord`s (one per request), e.g. to keep per-request data.
 
     Returns:
       `(results, env)`: one dict per (system, rate) — `eval.metrics.summarize` keys plus
@@ -188,8 +285,10 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
     """
     if not requests:
         raise ValueError("the workload has no requests")
-    degrees = run_degrees(cfg)
-    env = ReplayEnv.build(cfg, requests[0].block_size, degrees)
+    by_par = run_parallel_degrees(cfg)
+    tp = by_par.get("tp", set())
+    degrees = by_par.get("cp") or tp
+    env = ReplayEnv.build(cfg, requests[0].block_size, degrees, tp)
     with_slo = assign_slos(requests, SloSpec.parse(cfg.slo), env.isolated_ttft)
     if cfg.rates:
         rates = [(r, None) for r in cfg.rates]
@@ -202,17 +301,21 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
         runs = tqdm(runs, desc=f"replay {trace_name}", unit="run")
     results = []
     for name, rate, factor in runs:
-        system = build_system(name, env.pool)
+        system = env.build_system(name)
+        par = system.parallelism
         workload = scale_to_rate(with_slo, rate)
-        records = simulate(workload, system.workers, env.cost_model, system.router,
-                           env.ground_truth(cfg).seconds, env.sim, system.tick_hooks)
+        records = simulate(workload, system.workers, env.cost_model_for(par), system.router,
+                           env.ground_truth(cfg, par).seconds, env.sim, system.tick_hooks)
+        if on_records is not None:
+            on_records(name, rate, records)
         out = summarize(records)
         out.update({
             "system": name, "trace": trace_name, "request_rate": rate, "load_factor": factor,
-            "composition": system.composition, "num_gpus": cfg.num_gpus, "gpu": cfg.gpu,
-            "model": cfg.model, "profile": cfg.profile_csv or "analytic", "slo": cfg.slo,
-            "noise_sigma": cfg.noise_sigma, "seed": cfg.seed,
-            "kv_blocks_per_gpu": env.pool.kv_blocks_per_gpu, "block_size": env.block_size,
+            "composition": system.composition, "parallelism": par, "num_gpus": cfg.num_gpus,
+            "gpu": cfg.gpu, "model": cfg.model,
+            "profile": (cfg.profile_csv or "analytic") if par == "cp" else f"analytic-{par}",
+            "slo": cfg.slo, "noise_sigma": cfg.noise_sigma, "seed": cfg.seed,
+            "kv_blocks_per_gpu": env.pools[par].kv_blocks_per_gpu, "block_size": env.block_size,
         })
         results.append(out)
     return results, env

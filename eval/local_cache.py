@@ -121,6 +121,55 @@ class LocalPrefixCache:
         lru = self._lru
         return [h for h in block_hashes if lru.pop(h, _ABSENT) is not _ABSENT]
 
+    def insert_chain(self, chain: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Adds the blocks of a copied prefix `chain` (root first) that are missing.
+
+        The whole chain becomes most recent, ancestors more recent than descendants; LRU blocks
+        are evicted when the cache overflows. A chain longer than the capacity is not copied.
+
+        Returns:
+          `(inserted, evicted)` hashes.
+        """
+        if len(chain) > self.capacity_blocks - self._reserved:
+            return [], []
+        lru = self._lru
+        inserted = []
+        for k in range(len(chain) - 1, -1, -1):
+            h = chain[k]
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = chain[k - 1] if k else None
+                inserted.append(h)
+        evicted = []
+        while len(lru) + self._reserved > self.capacity_blocks:
+            evicted.append(lru.popitem(last=False)[0])
+        return inserted, evicted
+
+    def reclaim_suffix(self, chain: Sequence[int]) -> list[int]:
+        """Drops the cached tail of `chain` that no other cached prefix depends on.
+
+        Walks from the chain's last block toward the root, evicting each cached block that is
+        a leaf (no cached child), so other prefixes sharing an ancestor keep it. O(cached blocks).
+
+        Returns:
+          The evicted hashes, deepest first.
+        """
+        lru = self._lru
+        children: dict[int, int] = {}
+        for p in lru.values():
+            if p is not None:
+                children[p] = children.get(p, 0) + 1
+        evicted = []
+        for h in reversed(chain):
+            if h not in lru or children.get(h, 0):
+                break
+            parent = lru.pop(h)
+            evicted.append(h)
+            if parent is not None:
+                children[parent] -= 1
+        return evicted
+
     def blocks(self) -> list[tuple[int, int | None]]:
         """`(hash, parent hash)` of every cached block, least recently used first."""
         return list(self._lru.items())

@@ -6,17 +6,30 @@ per degree, the fitted cost model). Built in here:
 - `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
   least-cost routing (`serving.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
 - `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
-- `vertumnus`: a mixed composition of `--degrees` (`mixed_degrees`) with the Vertumnus router.
+- `vertumnus`: a mixed composition of `--degrees` (`mixed_degrees`) with the Vertumnus router;
+- `static-threshold`: two fixed pools, half the GPUs at the largest of `--degrees` and half at
+  the smallest, inputs of >= 8192 tokens to the large-degree pool (FlexLB's rule,
+  `serving.baselines.StaticThresholdRouter`);
+- `vllm-tp4`: tensor-parallel TP-4 workers (`System.parallelism == "tp"`: the run charges and
+  predicts TP prefill times) with production-stack's prefix-aware routing;
+- `sglang-cp4`, `dynamo-cp4`, `mooncake-cp4`: CP-4 workers with SGLang's cache-aware router,
+  Dynamo's KV-router cost and Mooncake's Conductor (`serving.baselines`).
 
-Research users add their own with `register_system(name, factory)`; `factory(pool) -> System`.
+Research users add their own, either with `register_system(name, factory)` (`factory(pool) ->
+System`) or, with no registration, by naming `module:attribute` (see `build_system`): a factory
+of that form, or a router class built with no arguments on `mixed_degrees(num_gpus, degrees)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import re
 from collections.abc import Callable, Sequence
 
+from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
+                               StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.cost_router import VertumnusRouter
 from serving.router import LeastWorkRouter, Router
 from serving.scheduler import CostModel, Scheduler
@@ -33,6 +46,11 @@ class PoolConfig:
       max_input_len: `cp_degree -> tokens`, the longest prompt a worker of that degree takes.
       cost_model: the routers' prefill-time estimate (`predict(cp, input_len, cached_len)`).
       degrees: the CP degrees of the comparison (`--degrees`), for mixed compositions.
+      kv_bytes_per_token: K and V bytes of one token, all layers (the model's KV size); routers
+        that price KV copies between workers use it.
+      kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free).
+      parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
+        (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
     """
 
     num_gpus: int
@@ -40,6 +58,9 @@ class PoolConfig:
     max_input_len: Callable[[int], int]
     cost_model: CostModel
     degrees: tuple[int, ...] = (2, 4)
+    kv_bytes_per_token: int = 0
+    kv_transfer_gb_per_s: float = 50.0
+    parallelism: str = "cp"
 
     def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
         """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
@@ -54,14 +75,35 @@ class PoolConfig:
         return [dataclasses.replace(s, max_input_len=self.max_input_len(s.cp_degree)) for s in specs]
 
 
+PARALLELISMS = ("cp", "tp")
+
+
 @dataclasses.dataclass
 class System:
-    """A built system: its workers, router and periodic hooks (controller, cache manager)."""
+    """A built system: its workers, router and periodic hooks (controller, cache manager).
+
+    Attributes:
+      name: the system's name in results.
+      workers: the initial pool composition.
+      router: the routing policy (`serving.router.Router`).
+      tick_hooks: periodic hooks `(scheduler, now)`.
+      parallelism: "cp" (a worker's `cp_degree` devices run context-parallel prefill) or "tp"
+        (they run tensor-parallel prefill, `cp_degree` = TP ways); `eval.experiment` charges and
+        predicts prefill times from the profile of that parallelism.
+
+    Raises:
+      ValueError: an unknown parallelism.
+    """
 
     name: str
     workers: list[WorkerSpec]
     router: Router
     tick_hooks: list[Callable[[Scheduler, float], None]] = dataclasses.field(default_factory=list)
+    parallelism: str = "cp"
+
+    def __post_init__(self) -> None:
+        if self.parallelism not in PARALLELISMS:
+            raise ValueError(f"parallelism={self.parallelism!r} must be one of {PARALLELISMS}")
 
     @property
     def composition(self) -> list[int]:
@@ -121,15 +163,77 @@ def _vertumnus(pool: PoolConfig) -> System:
                   VertumnusRouter())
 
 
+def _static_threshold(pool: PoolConfig) -> System:
+    big, small = max(pool.degrees), min(pool.degrees)
+    return System("static-threshold", pool.workers(mixed_degrees(pool.num_gpus, (big, small))),
+                  StaticThresholdRouter(threshold_tokens=8192))
+
+
+def _homogeneous4(name: str, router_factory: Callable[[PoolConfig], Router],
+                  parallelism: str = "cp") -> Callable[[PoolConfig], System]:
+    def factory(pool: PoolConfig) -> System:
+        return System(name, pool.workers(homogeneous_degrees(pool.num_gpus, 4)),
+                      router_factory(pool), parallelism=parallelism)
+    return factory
+
+
 register_system("vertumnus", _vertumnus)
+register_system("static-threshold", _static_threshold)
+register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))
+register_system("sglang-cp4", _homogeneous4("sglang-cp4", lambda p: SglangCacheAwareRouter()))
+register_system("dynamo-cp4", _homogeneous4("dynamo-cp4", lambda p: DynamoKvRouter()))
+register_system("mooncake-cp4", _homogeneous4("mooncake-cp4", lambda p: MooncakeConductorRouter(
+    p.kv_bytes_per_token, p.kv_transfer_gb_per_s)))
+
+
+def _from_spec(spec: str, pool: PoolConfig) -> System:
+    """Builds a system named `module:attribute` (see `build_system`)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"system {spec!r}: a plug-in must be named 'module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"system {spec!r}: cannot import module {module_name!r} ({e})") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"system {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if inspect.isclass(obj) and callable(getattr(obj, "choose", None)):
+        try:
+            router = obj()
+        except TypeError as e:
+            raise ValueError(f"system {spec!r}: router class {attr!r} must be constructible "
+                             f"with no arguments ({e})") from e
+        return System(spec, pool.workers(mixed_degrees(pool.num_gpus, pool.degrees)), router)
+    if callable(getattr(obj, "choose", None)):
+        raise ValueError(f"system {spec!r}: {attr!r} is a router instance; name its class (a "
+                         f"fresh router per run) or a factory(pool) -> System")
+    if not callable(obj):
+        raise ValueError(f"system {spec!r}: {attr!r} is neither a router class nor a "
+                         f"factory(pool) -> System")
+    system = obj(pool)
+    if not isinstance(system, System):
+        raise ValueError(f"system {spec!r}: factory {attr!r} returned "
+                         f"{type(system).__name__}, not eval.systems.System")
+    return system
 
 
 def build_system(name: str, pool: PoolConfig) -> System:
     """Builds the system called `name` (see the module docstring).
 
+    Names, in order: a registered name (`register_system`); a pattern (`homogeneous-cpN`,
+    `leastwork-cpN`); or a plug-in `module:attribute` (e.g. `my_pkg.routers:MyRouter`), whose
+    module is imported and whose attribute is either
+      * a router class (it has a `choose` method): built with no arguments and run on the mixed
+        composition `mixed_degrees(pool.num_gpus, pool.degrees)`, named `name`; or
+      * a system factory: called as `factory(pool)`, it must return a `System`.
+
     Raises:
-      ValueError: an unknown name (the message lists the known ones), or a composition that
-        does not fit the pool.
+      ValueError: an unknown name (the message lists the known ones), a plug-in that cannot be
+        imported or is neither form (the message names the spec), or a composition that does
+        not fit the pool.
     """
     if name in _REGISTRY:
         return _REGISTRY[name](pool)
@@ -137,7 +241,10 @@ def build_system(name: str, pool: PoolConfig) -> System:
         m = pattern.fullmatch(name)
         if m:
             return factory(m, pool)
-    known = sorted(_REGISTRY) + ["homogeneous-cpN", "leastwork-cpN (N a power of two)"]
+    if ":" in name:
+        return _from_spec(name, pool)
+    known = sorted(_REGISTRY) + ["homogeneous-cpN", "leastwork-cpN (N a power of two)",
+                                 "module:RouterClass", "module:system_factory"]
     raise ValueError(f"unknown system {name!r}; known: {', '.join(known)}")
 
 

@@ -59,3 +59,19 @@ class Backend(Protocol):
         NotImplementedError.
         """
         ...
+
+    def replicate(self, replication, now: float) -> None:
+        """Copies `replication.chain[replication.start:]` from its source to its destination.
+
+        Must not block. When the copy has completed, calls
+        `Scheduler.finish_replication(replication, now, inserted, evicted)` with the
+        destination cache's changes. Backends without replication may raise NotImplementedError.
+        """
+        ...
+
+    def reclaim(self, worker_id: int, chain, now: float) -> None:
+        """Frees the worker's copy of the tail of `chain` no other cached prefix depends on.
+
+        Calls `Scheduler.finish_reclaim(worker_id, chain, now, evicted)` once freed.
+        """
+        ...

@@ -59,21 +59,23 @@ class VertumnusRouter:
         """Placement cost of each candidate, in seconds (the formula above)."""
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
         memo: dict[tuple[int, int], float] = {}
-        s = []
+        s, gpu = [], []
         for w, m in zip(candidates, matched_blocks):
-            key = (w.spec.cp_degree, m)
-            t = memo.get(key)
+            c = w.spec.cp_degree
+            t = memo.get((c, m))
             if t is None:
-                t = memo[key] = predict(key[0], n, m * bs)
+                t = memo[(c, m)] = predict(c, n, m * bs)
             s.append(t)
-        gpu = [w.spec.cp_degree * t for w, t in zip(candidates, s)]
+            gpu.append(c * t)
         cheapest = min(gpu)
         beta, lam = self.beta, self.lam
         out = []
         for w, t, g in zip(candidates, s, gpu):
             q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
             if w.running is not None:
-                q += max(0.0, w.running_estimate - (now - w.running_start))
+                r = w.running_estimate - (now - w.running_start)
+                if r > 0:
+                    q += r
             out.append(q + beta * t + lam * (g - cheapest))
         return out
 

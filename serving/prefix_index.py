@@ -23,6 +23,9 @@ class PrefixIndex:
         self._holders: dict[int, set[int]] = {}
         self._counts: dict[int, int] = {}
 
+    def register_worker(self, worker_id: int, cp_degree: int) -> None:
+        """Declares a worker and its CP degree (unused here; `GlobalPrefixTrie` keeps it)."""
+
     def insert(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """Records that `worker_id` now holds each block of `block_hashes`."""
         holders = self._holders

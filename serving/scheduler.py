@@ -25,6 +25,8 @@ from typing import Protocol
 
 from serving.backend import Backend, PrefillResult
 from serving.prefix_index import PrefixIndex
+from serving.reconfiguration import Reconfiguration, ReconfigurationMixin  # noqa: F401 (re-export)
+from serving.replication import Replication, ReplicationMixin  # noqa: F401 (re-export)
 from serving.request import Request
 from serving.router import Router
 from serving.worker import WorkerSpec, WorkerState, WorkerStatus
@@ -50,6 +52,8 @@ class RequestRecord:
       predicted_seconds: the reserved prefill estimate.
       error: None on success, else a message saying why the request failed.
       first_token: generated token id when the backend runs a real model.
+      global_cached_len: the longest prefix of the request cached on *any* worker when it was
+        routed (tokens); `cached_len` is the part actually reused.
     """
 
     request: Request
@@ -64,6 +68,7 @@ class RequestRecord:
     predicted_seconds: float = 0.0
     error: str | None = None
     first_token: int | None = None
+    global_cached_len: int = 0
 
     @property
     def ok(self) -> bool:
@@ -82,31 +87,11 @@ class _Placement:
     worker: WorkerState
     estimate: float
     predicted_cached_len: int
+    global_cached_len: int = 0
     start_time: float | None = None
 
 
-@dataclasses.dataclass
-class Reconfiguration:
-    """A split or merge in progress (paper section 6, "protocol").
-
-    Attributes:
-      kind: "split" or "merge".
-      old_ids: the draining workers.
-      new_specs: the workers that replace them (same devices).
-      epoch: the epoch the new workers are created under.
-      started: when draining began (seconds); recarve_started: when the last old worker went
-        idle and the backend began re-carving (None while draining).
-    """
-
-    kind: str
-    old_ids: tuple[int, ...]
-    new_specs: tuple[WorkerSpec, ...]
-    epoch: int
-    started: float
-    recarve_started: float | None = None
-
-
-class Scheduler:
+class Scheduler(ReconfigurationMixin, ReplicationMixin):
     """Routes requests to workers and keeps their queues; see the module docstring.
 
     Args:
@@ -141,11 +126,16 @@ class Scheduler:
         self.workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
             self.workers[spec.worker_id] = WorkerState(spec, epoch=self.epoch)
+            self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
         self.tick_hooks: list[Callable[[Scheduler, float], None]] = []
         self.submit_hooks: list[Callable[[Request, float], None]] = []
         self.reconfigurations: dict[int, Reconfiguration] = {}  # by epoch, in progress
         self.reconfiguration_log: list[dict] = []  # finished ones, for reports
         self._next_worker_id = max(ids) + 1
+        self.replications: dict[tuple[int, int], Replication] = {}  # (dst, tip) in flight
+        self.reclaims: dict[tuple[int, int], float] = {}  # (worker, tip) pending
+        self.replication_log: list[dict] = []
+        self.reclaim_log: list[dict] = []
         self._placements: dict[str | int, _Placement] = {}
         self._pending: deque[Request] = deque()
         self.num_submitted = 0
@@ -210,7 +200,8 @@ class Scheduler:
         self.listener(RequestRecord(
             request, worker_id, worker.cp_degree, worker.epoch,
             placement.start_time, result.finish_time, result.first_token_time, result.cached_len,
-            placement.predicted_cached_len, placement.estimate, None, result.first_token))
+            placement.predicted_cached_len, placement.estimate, None, result.first_token,
+            placement.global_cached_len))
         self._after_run(worker, now)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
@@ -224,7 +215,7 @@ class Scheduler:
         self.listener(RequestRecord(
             request, worker_id, worker.cp_degree, worker.epoch,
             placement.start_time, now, None, 0, placement.predicted_cached_len,
-            placement.estimate, error))
+            placement.estimate, error, None, placement.global_cached_len))
         self._after_run(worker, now)
 
     def tick(self, now: float) -> None:
@@ -232,94 +223,6 @@ class Scheduler:
         for hook in self.tick_hooks:
             hook(self, now)
         self._retry_pending(now)
-
-    # ----------------------------------------------------------------------------- reconfiguration
-    def new_worker_ids(self, n: int) -> tuple[int, ...]:
-        """Fresh worker ids (never reused)."""
-        ids = tuple(range(self._next_worker_id, self._next_worker_id + n))
-        self._next_worker_id += n
-        return ids
-
-    def begin_reconfiguration(self, kind: str, old_ids: Sequence[int],
-                              new_specs: Sequence[WorkerSpec], now: float) -> Reconfiguration:
-        """Starts a split or merge: drain `old_ids`, later replace them by `new_specs`.
-
-        The old workers stop taking placements at once; their queued (not started) requests
-        are re-routed through the router; a running prefill finishes under the old geometry.
-        When every old worker is idle the backend's `recarve(reconfiguration, now)` runs, and
-        `finish_reconfiguration` activates the new workers under a new epoch.
-
-        Raises:
-          ValueError: (nothing changed) an unknown kind, an old worker that is not ACTIVE, or
-            new workers whose devices are not exactly the old workers' devices.
-        """
-        if kind not in ("split", "merge"):
-            raise ValueError(f"kind must be 'split' or 'merge', got {kind!r}")
-        olds = []
-        for wid in old_ids:
-            w = self.workers.get(wid)
-            if w is None or w.status is not WorkerStatus.ACTIVE:
-                raise ValueError(f"worker {wid} is not an ACTIVE worker of the pool")
-            olds.append(w)
-        old_devices = sorted(d for w in olds for d in w.spec.devices)
-        new_devices = sorted(d for spec in new_specs for d in spec.devices)
-        if old_devices != new_devices:
-            raise ValueError(f"new workers must cover exactly devices {old_devices}, got {new_devices}")
-        self.epoch += 1
-        rec = Reconfiguration(kind, tuple(old_ids), tuple(new_specs), self.epoch, now)
-        self.reconfigurations[rec.epoch] = rec
-        requeue = []
-        for w in olds:
-            w.status = WorkerStatus.DRAINING
-            while w.queue:
-                r = w.queue.popleft()
-                del self._placements[r.request_id]
-                requeue.append(r)
-            w.queued_seconds = 0.0
-        for r in sorted(requeue, key=lambda r: r.arrival_time):
-            self._route(r, now)
-        self._maybe_recarve(rec, now)
-        return rec
-
-    def finish_reconfiguration(self, epoch: int, now: float,
-                               cached_blocks: dict[int, Sequence[int]]) -> None:
-        """The backend re-carved: the old workers leave, the new ones become ACTIVE.
-
-        Args:
-          epoch: the reconfiguration's epoch.
-          now: seconds.
-          cached_blocks: per new worker id, the block hashes it holds after the change
-            (retained prefixes stay resident; DESIGN.md "Cluster-level loops").
-
-        Raises:
-          ValueError: no reconfiguration of that epoch is re-carving.
-        """
-        rec = self.reconfigurations.get(epoch)
-        if rec is None or rec.recarve_started is None:
-            raise ValueError(f"no reconfiguration of epoch {epoch} is re-carving")
-        del self.reconfigurations[epoch]
-        for wid in rec.old_ids:
-            del self.workers[wid]
-            self.prefix_index.drop_worker(wid)
-        for spec in rec.new_specs:
-            self.workers[spec.worker_id] = WorkerState(spec, epoch=epoch)
-            self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
-        self.reconfiguration_log.append({
-            "epoch": epoch, "kind": rec.kind, "old": list(rec.old_ids),
-            "new": [s.worker_id for s in rec.new_specs], "started": rec.started,
-            "drained": rec.recarve_started, "finished": now,
-            "composition": self.composition})
-        self._retry_pending(now)
-
-    @property
-    def composition(self) -> list[int]:
-        """CP degrees of the pool's workers in device order (draining ones included)."""
-        return [w.cp_degree for w in sorted(self.workers.values(), key=lambda w: w.spec.first_device)]
-
-    def _maybe_recarve(self, rec: Reconfiguration, now: float) -> None:
-        if rec.recarve_started is None and all(self.workers[w].running is None for w in rec.old_ids):
-            rec.recarve_started = now
-            self.backend.recarve(rec, now)
 
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
@@ -337,7 +240,14 @@ class Scheduler:
         worker = candidates[i]
         cached = matched[i] * request.block_size
         estimate = self.cost_model.predict(worker.cp_degree, request.input_len, cached)
-        self._placements[request.request_id] = _Placement(worker, estimate, cached)
+        placement = _Placement(worker, estimate, cached)
+        record = getattr(self.prefix_index, "record", None)
+        if record is not None:  # the global trie keeps demand statistics
+            g = max(self.prefix_index.global_match_blocks(
+                request.block_hashes, request.max_cacheable_blocks), matched[i])
+            record(request, worker.cp_degree, g, matched[i])
+            placement.global_cached_len = g * request.block_size
+        self._placements[request.request_id] = placement
         worker.queue.append(request)
         worker.queued_seconds += estimate
         if worker.running is None:

@@ -1,0 +1,163 @@
+"""The simulated backend: per-worker LRU prefix caches and a ground-truth clock.
+
+Implements `serving.backend.Backend` for `eval.simulator.simulate`: prefills are charged the
+ground-truth time for the hit the worker's local cache actually gives; split and merge re-carve
+caches (`eval.local_cache.split_cache`); prefix copies and reclamations change caches when they
+complete, and only then reach the scheduler's prefix index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from eval.local_cache import LocalPrefixCache, split_cache
+from serving.backend import PrefillResult
+from serving.request import Request
+from serving.worker import WorkerSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Costs outside prefill and the simulator's periodic tick.
+
+    Attributes:
+      kv_bytes_per_token: bytes of K and V of one token, all layers (the model's KV size).
+      kv_transfer_gb_per_s: bandwidth of the KV transfer to the decode pool, GB/s (1e9 bytes/s);
+        0 disables the transfer cost. Default 50 GB/s: one 400 Gb/s RDMA NIC.
+      first_token_seconds: time of the decode step that emits the first token (seconds).
+      tick_interval: seconds between `Scheduler.tick` calls (controller, cache manager); 0 disables.
+      recarve_seconds: time of a split or merge after the drain (new meshes, executables,
+        KV re-striping), seconds. The paper measured 1.1 to 5.1 s per operation, most of it
+        drain, which the simulator models separately.
+      replication_gb_per_s: bandwidth of prefix copies between workers, GB/s; 0 = instant.
+        Default 100 GB/s: well under NVLink's 450 GB/s per direction, as copies compete with
+        the CP all-gathers.
+    """
+
+    kv_bytes_per_token: int = 0
+    kv_transfer_gb_per_s: float = 50.0
+    first_token_seconds: float = 0.02
+    tick_interval: float = 1.0
+    recarve_seconds: float = 1.0
+    replication_gb_per_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if self.kv_transfer_gb_per_s < 0:
+            raise ValueError(f"kv_transfer_gb_per_s must be >= 0, got {self.kv_transfer_gb_per_s}")
+        if self.first_token_seconds < 0:
+            raise ValueError(f"first_token_seconds must be >= 0, got {self.first_token_seconds}")
+        if self.tick_interval < 0:
+            raise ValueError(f"tick_interval must be >= 0 seconds, got {self.tick_interval}")
+        if self.replication_gb_per_s < 0:
+            raise ValueError(f"replication_gb_per_s must be >= 0, got {self.replication_gb_per_s}")
+        if self.recarve_seconds < 0:
+            raise ValueError(f"recarve_seconds must be >= 0 seconds, got {self.recarve_seconds}")
+
+    def after_prefill_seconds(self, input_len: int) -> float:
+        """KV transfer of `input_len` tokens plus the first decode step, in seconds."""
+        t = self.first_token_seconds
+        if self.kv_transfer_gb_per_s > 0:
+            t += input_len * self.kv_bytes_per_token / (self.kv_transfer_gb_per_s * 1e9)
+        return t
+
+
+class SimulatedBackend:
+    """`serving.backend.Backend` over simulated workers: an LRU cache each and a profile clock.
+
+    Args:
+      workers: the pool's workers.
+      prefill_seconds: ground truth `(cp_degree, input_len, cached_len) -> seconds`.
+      config: `SimConfig`.
+      push_completion: callback `(finish_time, worker_id, request_id, PrefillResult)` that the
+        simulator turns into a completion event.
+      push_call: callback `(time, fn)`: the simulator calls `fn()` at `time` (copies,
+        reclamations and re-carves finishing).
+
+    `scheduler` must be set (by the simulator) before the first event.
+    """
+
+    def __init__(self, workers: Sequence[WorkerSpec],
+                 prefill_seconds: Callable[[int, int, int], float], config: SimConfig,
+                 push_completion: Callable[[float, int, str | int, PrefillResult], None],
+                 push_call: Callable[[float, Callable[[], None]], None]) -> None:
+        self.caches = {w.worker_id: LocalPrefixCache(w.kv_capacity_blocks) for w in workers}
+        self.degrees = {w.worker_id: w.cp_degree for w in workers}
+        self._prefill_seconds = prefill_seconds
+        self._config = config
+        self._push = push_completion
+        self._push_call = push_call
+        self.scheduler = None
+
+    def recarve(self, reconfiguration, now: float) -> None:
+        """Split or merge the caches of drained workers; done `recarve_seconds` later.
+
+        Merge: the new worker holds the union of both halves' blocks (re-striped lazily: the
+        re-striping cost is inside `recarve_seconds`). Split: `split_cache` assigns each
+        retained prefix to one half.
+        """
+        rec = reconfiguration
+        olds = [self.caches.pop(w) for w in rec.old_ids]
+        for w in rec.old_ids:
+            del self.degrees[w]
+        if rec.kind == "merge":
+            [spec] = rec.new_specs
+            merged = LocalPrefixCache(spec.kv_capacity_blocks)
+            for cache in olds:
+                merged.adopt(cache.blocks())
+            new = {spec.worker_id: merged}
+        else:
+            [old] = olds
+            a, b = rec.new_specs
+            halves = split_cache(old, a.kv_capacity_blocks)
+            new = {a.worker_id: halves[0], b.worker_id: halves[1]}
+        for spec in rec.new_specs:
+            self.caches[spec.worker_id] = new[spec.worker_id]
+            self.degrees[spec.worker_id] = spec.cp_degree
+        blocks = {wid: [h for h, _ in c.blocks()] for wid, c in new.items()}
+        done_at = now + self._config.recarve_seconds
+        self._push_call(done_at,
+                        lambda: self.scheduler.finish_reconfiguration(rec.epoch, done_at, blocks))
+
+    def replicate(self, replication, now: float) -> None:
+        """Copies the missing blocks at `replication_gb_per_s`; visible when the copy is done.
+
+        The source's blocks are read when the copy starts (the simulated copy does not occupy
+        either worker's prefill queue: NVLink/RDMA DMA in the background).
+        """
+        rep = replication
+        block_bytes = self._config.kv_bytes_per_token * rep.block_size
+        seconds = (rep.num_blocks * block_bytes / (self._config.replication_gb_per_s * 1e9)
+                   if self._config.replication_gb_per_s > 0 else 0.0)
+        done = now + seconds
+
+        def finish():
+            cache = self.caches.get(rep.dst)
+            inserted, evicted = cache.insert_chain(rep.chain) if cache is not None else ([], [])
+            self.scheduler.finish_replication(rep, done, inserted, evicted)
+
+        self._push_call(done, finish)
+
+    def reclaim(self, worker_id: int, chain, now: float) -> None:
+        """Frees the worker's unshared tail of `chain`; confirmed at once."""
+        def finish():
+            cache = self.caches.get(worker_id)
+            evicted = cache.reclaim_suffix(chain) if cache is not None else []
+            self.scheduler.finish_reclaim(worker_id, chain, now, evicted)
+
+        self._push_call(now, finish)
+
+    def start_prefill(self, worker_id: int, request: Request, now: float) -> None:
+        cache = self.caches[worker_id]
+        bs = request.block_size
+        total = -(-request.input_len // bs)
+        hit, evicted = cache.begin(request.block_hashes, request.max_cacheable_blocks, total)
+        cached_len = hit * bs
+        finish = now + self._prefill_seconds(self.degrees[worker_id], request.input_len, cached_len)
+        inserted = cache.finish(request.block_hashes, hit, request.full_blocks, total)
+        # The new blocks are reported at completion, the time they become readable.
+        self._push(finish, worker_id, request.request_id, PrefillResult(
+            cached_len, finish, finish + self._config.after_prefill_seconds(request.input_len),
+            inserted, evicted))

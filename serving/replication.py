@@ -1,0 +1,123 @@
+"""Prefix replication and reclamation in the scheduler (paper section 7, execution side).
+
+A copy moves only the blocks the destination lacks; the destination's replica becomes visible in
+the prefix index only when the backend reports the copy complete (`finish_replication`). A
+reclamation frees a worker's copy of a prefix tail; it disappears from the index only when the
+backend confirms (`finish_reclaim`). The policy choosing *what* to copy or free is
+`serving.cache_manager.PrefixCacheManager`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from serving.worker import WorkerStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class Replication:
+    """A prefix copy in flight.
+
+    Attributes:
+      src, dst: worker ids (source holds the whole chain; destination lacks `chain[start:]`).
+      chain: block hashes from the root to the prefix's tip.
+      start: index of the first block the destination lacks (blocks before it are retained).
+      block_size: tokens per block.
+      started: seconds.
+      reason: "inter-degree" or "intra-degree".
+    """
+
+    src: int
+    dst: int
+    chain: tuple[int, ...]
+    start: int
+    block_size: int
+    started: float
+    reason: str
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks moved."""
+        return len(self.chain) - self.start
+
+
+class ReplicationMixin:
+    """Scheduler methods for copies and reclamations (see `Scheduler`)."""
+
+    def begin_replication(self, src: int, dst: int, chain: Sequence[int], block_size: int,
+                          now: float, reason: str = "intra-degree") -> Replication:
+        """Starts copying the prefix `chain` from `src` to `dst` (only the missing blocks).
+
+        Raises:
+          ValueError: (nothing changed) src == dst, an unknown or non-ACTIVE destination, a
+            source that does not hold the whole chain, a destination that already holds it,
+            or a copy of this prefix to `dst` already in flight.
+        """
+        if src == dst:
+            raise ValueError(f"src and dst are both worker {src}")
+        w = self.workers.get(dst)
+        if w is None or w.status is not WorkerStatus.ACTIVE:
+            raise ValueError(f"destination worker {dst} is not an ACTIVE worker of the pool")
+        chain = tuple(chain)
+        if not chain:
+            raise ValueError("chain must name at least one block")
+        have_src, have_dst = self.prefix_index.match_blocks(chain, len(chain), [src, dst])
+        if have_src < len(chain):
+            raise ValueError(f"source worker {src} holds only {have_src} of {len(chain)} blocks")
+        if have_dst == len(chain):
+            raise ValueError(f"destination worker {dst} already holds the prefix")
+        key = (dst, chain[-1])
+        if key in self.replications:
+            raise ValueError(f"a copy of this prefix to worker {dst} is already in flight")
+        rep = Replication(src, dst, chain, have_dst, block_size, now, reason)
+        self.replications[key] = rep
+        self.backend.replicate(rep, now)
+        return rep
+
+    def finish_replication(self, rep: Replication, now: float, inserted: Sequence[int],
+                           evicted: Sequence[int]) -> None:
+        """The backend finished a copy: the destination's new blocks become visible.
+
+        `inserted` / `evicted` are the destination cache's changes. A destination that left the
+        pool meanwhile (split or merge) is ignored.
+
+        Raises:
+          ValueError: no such copy is in flight.
+        """
+        if self.replications.pop((rep.dst, rep.chain[-1]), None) is None:
+            raise ValueError(f"no copy of that prefix to worker {rep.dst} is in flight")
+        if rep.dst in self.workers:
+            if evicted:
+                self.prefix_index.evict(rep.dst, evicted)
+            if inserted:
+                self.prefix_index.insert(rep.dst, inserted)
+        self.replication_log.append({"src": rep.src, "dst": rep.dst, "blocks": rep.num_blocks,
+                                     "reason": rep.reason, "started": rep.started, "finished": now})
+
+    def begin_reclaim(self, worker_id: int, chain: Sequence[int], now: float) -> None:
+        """Asks the backend to free `worker_id`'s copy of the prefix tail `chain`.
+
+        Raises:
+          ValueError: an unknown worker, or a reclamation of this prefix there already pending.
+        """
+        if worker_id not in self.workers:
+            raise ValueError(f"worker {worker_id} is not in the pool")
+        key = (worker_id, chain[-1])
+        if key in self.reclaims:
+            raise ValueError(f"a reclamation of this prefix on worker {worker_id} is pending")
+        self.reclaims[key] = now
+        self.backend.reclaim(worker_id, tuple(chain), now)
+
+    def finish_reclaim(self, worker_id: int, chain: Sequence[int], now: float,
+                       evicted: Sequence[int]) -> None:
+        """The backend confirmed a reclamation: the freed blocks leave the index.
+
+        Raises:
+          ValueError: no such reclamation is pending.
+        """
+        if self.reclaims.pop((worker_id, chain[-1]), None) is None:
+            raise ValueError(f"no reclamation of that prefix on worker {worker_id} is pending")
+        if worker_id in self.workers and evicted:
+            self.prefix_index.evict(worker_id, evicted)
+        self.reclaim_log.append({"worker": worker_id, "blocks": len(evicted), "time": now})

@@ -1,0 +1,126 @@
+"""Baseline systems, the `module:attribute` plug-in point, TP charging and an all-systems sweep."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from eval.experiment import ReplayConfig, run_sweep
+from eval.systems import PoolConfig, System, build_system, mixed_degrees
+from eval.workloads import tool_agent_workload
+from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
+                               StaticThresholdRouter, VllmPrefixAwareRouter)
+from serving.profiles import analytic_prefill_seconds
+from serving.request import Request, chain_block_hashes
+from serving.specs import GPUS, MODELS
+from tests.eval.plugin_example import ExampleRouter
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PLUGIN = "tests.eval.plugin_example"
+POOL = PoolConfig(16, 100, lambda c: 65536, None, (2, 4), kv_bytes_per_token=98304,
+                  kv_transfer_gb_per_s=25.0)
+ALL_SYSTEMS = ("homogeneous", "leastwork-cp4", "vertumnus", "static-threshold", "vllm-tp4",
+               "sglang-cp4", "dynamo-cp4", "mooncake-cp4", f"{PLUGIN}:ExampleRouter")
+
+
+@pytest.mark.parametrize("name, composition, router, parallelism", [
+    ("static-threshold", [4, 4, 2, 2, 2, 2], StaticThresholdRouter, "cp"),
+    ("vllm-tp4", [4] * 4, VllmPrefixAwareRouter, "tp"),
+    ("sglang-cp4", [4] * 4, SglangCacheAwareRouter, "cp"),
+    ("dynamo-cp4", [4] * 4, DynamoKvRouter, "cp"),
+    ("mooncake-cp4", [4] * 4, MooncakeConductorRouter, "cp"),
+])
+def test_baseline_systems_fill_the_gpu_budget(name, composition, router, parallelism):
+    s = build_system(name, POOL)
+    assert s.name == name and s.composition == composition and sum(s.composition) == 16
+    assert isinstance(s.router, router) and s.parallelism == parallelism
+    assert all(w.max_input_len == 65536 and w.kv_capacity_blocks == 100 * w.cp_degree
+               for w in s.workers)
+    assert build_system(name, POOL).router is not s.router      # a fresh router per build
+
+
+def test_mooncake_system_prices_copies_with_the_pool_kv_size():
+    r = build_system("mooncake-cp4", POOL).router
+    assert (r.kv_bytes_per_token, r.transfer_gb_per_s) == (98304, 25.0)
+    assert r.transfer_seconds(10, 512) == pytest.approx(10 * 512 * 98304 / 25e9)
+
+
+def test_plugin_router_class_and_factory():
+    s = build_system(f"{PLUGIN}:ExampleRouter", POOL)
+    assert s.name == f"{PLUGIN}:ExampleRouter" and isinstance(s.router, ExampleRouter)
+    assert s.composition == mixed_degrees(16, (2, 4)) == [4, 4, 2, 2, 2, 2]
+    assert build_system(f"{PLUGIN}:ExampleRouter", POOL).router is not s.router
+    f = build_system(f"{PLUGIN}:example_system", POOL)
+    assert f.name == "example-smallest" and f.composition == [2] * 8
+    assert isinstance(f.router, ExampleRouter)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:Router", "system 'no_such_module_xyz:Router': cannot import module"),
+    (f"{PLUGIN}:Missing", "has no attribute 'Missing'"),
+    (f"{PLUGIN}:NOT_A_SYSTEM", "neither a router class nor a factory"),
+    (f"{PLUGIN}:bad_factory", "returned str, not eval.systems.System"),
+    (f"{PLUGIN}:ROUTER_INSTANCE", "is a router instance"),
+    (f"{PLUGIN}:", "must be named 'module:attribute'"),
+    ("nope", "unknown system 'nope'"),
+])
+def test_bad_plugin_specs_name_the_spec(spec, message):
+    with pytest.raises(ValueError, match=message):
+        build_system(spec, POOL)
+
+
+def test_system_rejects_unknown_parallelism():
+    with pytest.raises(ValueError, match="parallelism='pp'"):
+        System("x", [], ExampleRouter(), parallelism="pp")
+
+
+def test_tp_system_is_charged_and_sized_as_tp():
+    # Two cold 8192-token requests 100 s apart: each runs alone on an idle worker.
+    two = [Request(f"r{i}", 100.0 * i, 8192, 1, chain_block_hashes(range(100 * i, 100 * i + 16)),
+                   512) for i in range(2)]
+    cfg = ReplayConfig(num_gpus=8, degrees=(4,), systems=("vllm-tp4", "homogeneous-cp4"),
+                       rates=(0.01,), noise_sigma=0.0)
+    results, env = run_sweep(two, "two", cfg)
+    tp, cp = (analytic_prefill_seconds("h20", "qwen3-30b-a3b", 4, 8192, 0, p) for p in ("tp", "cp"))
+    assert abs(tp - cp) > 0.01 * cp                   # the two profiles really differ here
+    by = {r["system"]: r for r in results}
+    assert by["vllm-tp4"]["mean_prefill_ms"] == pytest.approx(tp * 1e3, rel=1e-12)
+    assert by["homogeneous-cp4"]["mean_prefill_ms"] == pytest.approx(cp * 1e3, rel=1e-12)
+    assert (by["vllm-tp4"]["parallelism"], by["homogeneous-cp4"]["parallelism"]) == ("tp", "cp")
+    assert by["vllm-tp4"]["profile"] == "analytic-tp"
+    assert env.cost_model_for("tp").predict(4, 8192, 0) == pytest.approx(tp, rel=0.05)
+    # TP-4 shards the weights 4 ways: a worker holds (HBM * 0.9 - W / 4) * min(4, kv_heads)
+    # / kv_bytes_per_token tokens, against HBM * 0.9 - W for a CP rank.
+    m, g = MODELS["qwen3-30b-a3b"], GPUS["h20"]
+    tp_tokens = ((g.hbm_gb * 0.9e9 - m.weight_bytes / 4) * min(4, m.num_kv_heads)
+                 / m.kv_bytes_per_token)
+    assert env.pools["tp"].kv_blocks_per_gpu * 4 * 512 == pytest.approx(tp_tokens, abs=4 * 512)
+    assert env.pools["tp"].kv_blocks_per_gpu > env.pools["cp"].kv_blocks_per_gpu
+
+
+def test_sweep_over_every_system_ends_each_request_once():
+    workload = tool_agent_workload(duration_s=60.0, seed=5)
+    cfg = ReplayConfig(num_gpus=16, degrees=(2, 4), systems=ALL_SYSTEMS, load_factors=(0.9,))
+    seen: dict[str, list] = {}
+    results, _ = run_sweep(workload, "t", cfg,
+                           on_records=lambda name, rate, recs: seen.setdefault(name, recs))
+    names = cfg.system_names
+    assert [r["system"] for r in results] == names and len(names) == 10
+    ids = sorted(r.request_id for r in workload)
+    for name in names:
+        assert sorted(rec.request.request_id for rec in seen[name]) == ids, name
+        assert all(rec.ok for rec in seen[name]), name
+    assert len({r["mean_ttft_ms"] for r in results}) > 5   # the rules really differ
+
+
+def test_replay_cli_accepts_a_plugin_router(tmp_path):
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=30", "--num_gpus=8",
+           "--degrees=2,4", "--rates=2", f"--systems={PLUGIN}:ExampleRouter,dynamo-cp4",
+           f"--output_dir={tmp_path}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"| {PLUGIN}:ExampleRouter | 2.00 |" in proc.stdout
+    assert list(tmp_path.glob(f"toolagent__{PLUGIN}:ExampleRouter__rate2*.json"))

@@ -1,0 +1,95 @@
+"""The prefix-cache manager's plans on hand-built trie states."""
+
+from __future__ import annotations
+
+from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
+from serving.prefix_trie import GlobalPrefixTrie
+from serving.request import Request, chain_block_hashes
+from serving.router import LeastWorkRouter
+from serving.scheduler import Scheduler
+from serving.worker import layout_workers
+
+
+class Backend:
+    def __init__(self):
+        self.copies, self.reclaims = [], []
+
+    def start_prefill(self, *a):
+        pass
+
+    def replicate(self, rep, now):
+        self.copies.append(rep)
+
+    def reclaim(self, w, chain, now):
+        self.reclaims.append((w, chain))
+
+
+class Cost:
+    def predict(self, c, n, h):
+        return 1e-4 * (n - h) / c
+
+
+DOC = Request("doc", 0.0, 32 * 512 + 100, 1, chain_block_hashes(range(33)), 512)
+
+
+def setup():
+    # worker 0: CP-4 (devices 0-3); workers 1, 2: CP-2; worker 3, 4: CP-1
+    b = Backend()
+    s = Scheduler(layout_workers([4, 2, 2, 1, 1], 1000, 100_000), Cost(), LeastWorkRouter(), b,
+                  prefix_index=GlobalPrefixTrie())
+    return s, b
+
+
+def test_inter_degree_copy_goes_to_longest_retained_ancestor_with_missing_blocks_only():
+    s, b = setup()
+    trie = s.prefix_index
+    chain = DOC.block_hashes[:32]
+    trie.insert(0, chain)
+    trie.insert(2, chain[:10])  # worker 2 (CP-2) retains the first 10 blocks
+    for _ in range(3):  # three requests routed to CP-2 missed 32 - 0 blocks
+        trie.record(DOC, cp_degree=2, global_blocks=32, reused_blocks=0)
+    mgr = PrefixCacheManager(CacheManagerConfig(min_missed_tokens=8192, intra_high=100))
+    assert mgr.scan(s, now=5.0) >= 1
+    [rep] = [c for c in b.copies if c.dst in (1, 2)]
+    assert (rep.src, rep.dst, rep.start, rep.num_blocks) == (0, 2, 10, 22)
+    assert rep.reason == "inter-degree"
+    assert (2, chain[-1]) in s.replications
+    # Not visible until the backend finishes the copy.
+    assert trie.replica_count(chain[-1], 2) == 0
+    s.finish_replication(rep, 6.0, list(chain[10:]), [])
+    assert trie.replica_count(chain[-1], 2) == 1
+
+
+def test_below_threshold_nothing_happens_and_decay_ages_demand():
+    s, b = setup()
+    trie = s.prefix_index
+    trie.insert(0, DOC.block_hashes[:32])
+    trie.record(DOC, cp_degree=2, global_blocks=32, reused_blocks=24)  # 4096 tokens missed
+    mgr = PrefixCacheManager(CacheManagerConfig(min_missed_tokens=8192, decay=0.5))
+    mgr.attach(s)
+    s.tick(10.0)
+    assert b.copies == []
+    assert trie.missed[DOC.block_hashes[31]][2] == 2048.0  # halved after the scan
+
+
+def test_intra_degree_replica_and_reclamation():
+    s, b = setup()
+    trie = s.prefix_index
+    chain = DOC.block_hashes[:32]
+    trie.insert(1, chain)
+    for _ in range(20):  # 20 requests per scan on one CP-2 replica: too hot
+        trie.record(DOC, cp_degree=2, global_blocks=32, reused_blocks=32)
+    mgr = PrefixCacheManager(CacheManagerConfig(intra_high=8.0, reclaim_low=0.5))
+    mgr.scan(s, 1.0)
+    [rep] = b.copies
+    assert (rep.src, rep.dst, rep.reason, rep.start) == (1, 2, "intra-degree", 0)
+    s.finish_replication(rep, 2.0, list(chain), [])
+    trie.decay(0.0)  # demand gone: two CP-2 replicas of a cold prefix
+    trie.record(DOC, cp_degree=2, global_blocks=32, reused_blocks=32)
+    trie.decay(0.1, floor=0.01)  # 0.1 request per replica-pair < 0.5
+    s.workers[2].queued_seconds = 3.0  # the busier holder gives its copy up
+    mgr.scan(s, 3.0)
+    assert b.reclaims == [(2, tuple(chain))]
+    assert trie.replica_count(chain[-1], 2) == 2  # until the worker confirms
+    s.finish_reclaim(2, chain, 3.5, list(chain[20:]))
+    assert trie.replica_count(chain[-1], 2) == 1
