@@ -18,9 +18,7 @@ import time
 
 from absl import app, flags
 
-from eval.experiment import ReplayConfig, ReplayEnv, run_degrees
-from eval.simulator import simulate
-from eval.systems import build_system
+from eval.experiment import ReplayConfig, ReplayEnv, run_degrees, simulate_system
 from eval.traces import load_trace
 from eval.workloads import scale_to_rate
 
@@ -28,7 +26,8 @@ _DEFAULT_TRACE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" /
     "mooncake" / "conversation_trace.jsonl"
 
 _TRACE = flags.DEFINE_string("trace", str(_DEFAULT_TRACE), "Trace to replay.")
-_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous-cp2", "homogeneous-cp4"], "Systems to time.")
+_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous-cp2", "homogeneous-cp4", "vertumnus"],
+                             "Systems to time.")
 _LOAD = flags.DEFINE_float("load_factor", 0.9, "Rate as a multiple of the cold capacity rate.",
                            lower_bound=1e-3)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).", lower_bound=1)
@@ -42,18 +41,17 @@ def main(argv):
                  "conversation trace (kvcache-ai/Mooncake, FAST25-release/traces/)")
     trace = load_trace(_TRACE.value)
     cfg = ReplayConfig(num_gpus=40, systems=tuple(_SYSTEMS.value))
-    degrees = run_degrees(cfg)
-    env = ReplayEnv.build(cfg, 512, degrees)
-    rate = _LOAD.value * env.capacity_rate(trace.requests, min(degrees))
+    env = ReplayEnv.build(cfg, 512, run_degrees(cfg))
+    rate = _LOAD.value * env.capacity_rate(trace.requests, min(run_degrees(cfg)))
+    workload = scale_to_rate(trace.requests, rate)
+    demand = env.demand(trace.requests, rate)
     rows = []
     for name in cfg.system_names:
-        workload = scale_to_rate(trace.requests, rate)
         times = []
         for _ in range(_REPEATS.value):
-            system = build_system(name, env.pool)
+            system = env.build_system(name, demand)
             t0 = time.perf_counter()
-            records = simulate(workload, system.workers, env.cost_model, system.router,
-                               env.ground_truth(cfg).seconds, env.sim, system.tick_hooks)
+            records, _ = simulate_system(env, cfg, system, workload)
             times.append(time.perf_counter() - t0)
             assert len(records) == len(workload)
         wall = statistics.median(times)

@@ -21,11 +21,11 @@ from eval.metrics import summarize
 from eval.simulator import SimConfig, simulate
 from eval.slo import SloSpec, assign_slos
 from eval.systems import PoolConfig, System, build_system, expand_systems
-from eval.workloads import scale_to_rate
+from eval.workloads import prefix_hit_tokens, scale_to_rate
 from serving.cost_model import PrefillCostModel
 from serving.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
 from serving.request import Request
-from serving.scheduler import RequestRecord
+from serving.scheduler import RequestRecord, Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,16 +181,35 @@ class ReplayEnv:
             raise ValueError(f"this run has no {parallelism!r} profile (it has "
                              f"{sorted(self.pools)}); build the env with its degrees") from None
 
-    def build_system(self, name: str) -> System:
+    def build_system(self, name: str, demand=None) -> System:
         """`eval.systems.build_system` on the pool of the system's parallelism.
+
+        Args:
+          name: the system.
+          demand: `PoolConfig.demand` for systems sized from demand, or None.
 
         Raises:
           ValueError: as `build_system`, or a parallelism this env has no profile for.
         """
-        system = build_system(name, self.pool)
+        system = build_system(name, dataclasses.replace(self.pool, demand=demand))
         if system.parallelism != "cp":
-            system = build_system(name, self._pool_for(system.parallelism))
+            system = build_system(name, dataclasses.replace(
+                self._pool_for(system.parallelism), demand=demand))
         return system
+
+    def demand(self, requests: Sequence[Request], rate: float) -> tuple[float, Callable[[int], float]]:
+        """`PoolConfig.demand` of a workload at `rate`: the cost model's mean prefill time per
+        degree, with each request's prefix hit as an unbounded shared cache would give it."""
+        hits = prefix_hit_tokens(requests)
+        memo: dict[int, float] = {}
+
+        def mean_seconds(c: int) -> float:
+            if c not in memo:
+                memo[c] = sum(self.cost_model.predict(c, r.input_len, int(h))
+                              for r, h in zip(requests, hits)) / len(requests)
+            return memo[c]
+
+        return rate, mean_seconds
 
     def ground_truth(self, cfg: ReplayConfig, parallelism: str = "cp") -> GroundTruthProfile:
         """A fresh ground-truth clock (same seed, so every system draws the same noise stream)
@@ -257,6 +276,22 @@ def run_degrees(cfg: ReplayConfig) -> set[int]:
     return set().union(*run_parallel_degrees(cfg).values())
 
 
+def simulate_system(env: ReplayEnv, cfg: ReplayConfig, system: System,
+                    workload: Sequence[Request]) -> tuple[list[RequestRecord], Scheduler]:
+    """Simulates one built system on a workload with the env's profile of its parallelism.
+
+    Returns:
+      `(records, scheduler)`: one record per request, and the run's scheduler (its logs:
+      `reconfiguration_log`, `replication_log`, `reclaim_log`, `composition`).
+    """
+    par = system.parallelism
+    handle: list[Scheduler] = []
+    records = simulate(workload, system.workers, env.cost_model_for(par), system.router,
+                       env.ground_truth(cfg, par).seconds, env.sim, system.tick_hooks,
+                       setup=[*system.setup, handle.append], prefix_index=system.make_prefix_index())
+    return records, handle[0]
+
+
 def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
               progress: bool = False,
               on_records: Callable[[str, float, list[RequestRecord]], None] | None = None,
@@ -300,12 +335,13 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
         from tqdm import tqdm
         runs = tqdm(runs, desc=f"replay {trace_name}", unit="run")
     results = []
+    demands = {}
     for name, rate, factor in runs:
-        system = env.build_system(name)
+        if rate not in demands:
+            demands[rate] = env.demand(requests, rate)
+        system = env.build_system(name, demands[rate])
         par = system.parallelism
-        workload = scale_to_rate(with_slo, rate)
-        records = simulate(workload, system.workers, env.cost_model_for(par), system.router,
-                           env.ground_truth(cfg, par).seconds, env.sim, system.tick_hooks)
+        records, sched = simulate_system(env, cfg, system, scale_to_rate(with_slo, rate))
         if on_records is not None:
             on_records(name, rate, records)
         out = summarize(records)
@@ -316,6 +352,12 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
             "profile": (cfg.profile_csv or "analytic") if par == "cp" else f"analytic-{par}",
             "slo": cfg.slo, "noise_sigma": cfg.noise_sigma, "seed": cfg.seed,
             "kv_blocks_per_gpu": env.pools[par].kv_blocks_per_gpu, "block_size": env.block_size,
+            "final_composition": sched.composition,
+            "reconfigurations": [{k: log[k] for k in ("kind", "started", "finished", "composition")}
+                                 for log in sched.reconfiguration_log],
+            "replications": len(sched.replication_log),
+            "replicated_blocks": sum(log["blocks"] for log in sched.replication_log),
+            "reclamations": len(sched.reclaim_log),
         })
         results.append(out)
     return results, env

@@ -25,7 +25,7 @@ class LocalPrefixCache:
       ValueError: capacity_blocks < 1.
     """
 
-    __slots__ = ("capacity_blocks", "_lru", "_reserved")
+    __slots__ = ("capacity_blocks", "_lru", "_reserved", "_children")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
@@ -33,6 +33,28 @@ class LocalPrefixCache:
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent hash, oldest first
         self._reserved = 0  # blocks allocated to a running prefill, not yet cached
+        self._children: dict[int, int] = {}  # hash -> cached blocks whose parent it is
+
+    def _insert(self, h: int, parent: int | None) -> None:
+        self._lru[h] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def _forget(self, parent: int | None) -> None:
+        if parent is not None:
+            n = self._children[parent] - 1
+            if n:
+                self._children[parent] = n
+            else:
+                del self._children[parent]
+
+    def _evict_lru(self, n: int) -> list[int]:
+        lru, evicted = self._lru, []
+        for _ in range(n):
+            h, parent = lru.popitem(last=False)
+            self._forget(parent)
+            evicted.append(h)
+        return evicted
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -78,11 +100,8 @@ class LocalPrefixCache:
         for k in range(hit - 1, -1, -1):
             lru.move_to_end(block_hashes[k])
         need = total_blocks - hit
-        evicted = []
         over = len(lru) + self._reserved + need - self.capacity_blocks
-        while over > 0:
-            evicted.append(lru.popitem(last=False)[0])
-            over -= 1
+        evicted = self._evict_lru(over) if over > 0 else []
         self._reserved += need
         return hit, evicted
 
@@ -107,7 +126,7 @@ class LocalPrefixCache:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = block_hashes[k - 1] if k else None
+                self._insert(h, block_hashes[k - 1] if k else None)
                 inserted.append(h)
         # Re-touch the hit so that ancestors stay more recent than the new descendants.
         for k in range(hit_blocks - 1, -1, -1):
@@ -118,8 +137,13 @@ class LocalPrefixCache:
 
     def evict_blocks(self, block_hashes: Sequence[int]) -> list[int]:
         """Drops the given blocks if present; returns those that were present."""
-        lru = self._lru
-        return [h for h in block_hashes if lru.pop(h, _ABSENT) is not _ABSENT]
+        lru, out = self._lru, []
+        for h in block_hashes:
+            parent = lru.pop(h, _ABSENT)
+            if parent is not _ABSENT:
+                self._forget(parent)
+                out.append(h)
+        return out
 
     def insert_chain(self, chain: Sequence[int]) -> tuple[list[int], list[int]]:
         """Adds the blocks of a copied prefix `chain` (root first) that are missing.
@@ -139,35 +163,27 @@ class LocalPrefixCache:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = chain[k - 1] if k else None
+                self._insert(h, chain[k - 1] if k else None)
                 inserted.append(h)
-        evicted = []
-        while len(lru) + self._reserved > self.capacity_blocks:
-            evicted.append(lru.popitem(last=False)[0])
-        return inserted, evicted
+        over = len(lru) + self._reserved - self.capacity_blocks
+        return inserted, self._evict_lru(over) if over > 0 else []
 
     def reclaim_suffix(self, chain: Sequence[int]) -> list[int]:
         """Drops the cached tail of `chain` that no other cached prefix depends on.
 
         Walks from the chain's last block toward the root, evicting each cached block that is
-        a leaf (no cached child), so other prefixes sharing an ancestor keep it. O(cached blocks).
+        a leaf (no cached child), so other prefixes sharing an ancestor keep it. O(len(chain)).
 
         Returns:
           The evicted hashes, deepest first.
         """
-        lru = self._lru
-        children: dict[int, int] = {}
-        for p in lru.values():
-            if p is not None:
-                children[p] = children.get(p, 0) + 1
+        lru, children = self._lru, self._children
         evicted = []
         for h in reversed(chain):
-            if h not in lru or children.get(h, 0):
+            if h not in lru or h in children:
                 break
-            parent = lru.pop(h)
+            self._forget(lru.pop(h))
             evicted.append(h)
-            if parent is not None:
-                children[parent] -= 1
         return evicted
 
     def blocks(self) -> list[tuple[int, int | None]]:
@@ -185,11 +201,9 @@ class LocalPrefixCache:
         lru = self._lru
         for h, parent in blocks:
             if h not in lru:
-                lru[h] = parent
-        evicted = []
-        while len(lru) + self._reserved > self.capacity_blocks:
-            evicted.append(lru.popitem(last=False)[0])
-        return evicted
+                self._insert(h, parent)
+        over = len(lru) + self._reserved - self.capacity_blocks
+        return self._evict_lru(over) if over > 0 else []
 
 
 def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPrefixCache, LocalPrefixCache]:

@@ -6,7 +6,9 @@ per degree, the fitted cost model). Built in here:
 - `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
   least-cost routing (`serving.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
 - `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
-- `vertumnus`: a mixed composition of `--degrees` (`mixed_degrees`) with the Vertumnus router;
+- `vertumnus`: the full system: initial composition from demand, the placement-cost router,
+  the split/merge controller and the global prefix-cache manager; `vertumnus-nocache` without
+  the cache manager, `vertumnus-static` without controller and cache manager (ablations);
 - `static-threshold`: two fixed pools, half the GPUs at the largest of `--degrees` and half at
   the smallest, inputs of >= 8192 tokens to the large-degree pool (FlexLB's rule,
   `serving.baselines.StaticThresholdRouter`);
@@ -30,7 +32,11 @@ from collections.abc import Callable, Sequence
 
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
+from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
+from serving.controller import ControllerConfig, ReconfigurationController, initial_composition
 from serving.cost_router import VertumnusRouter
+from serving.prefix_index import PrefixIndex
+from serving.prefix_trie import GlobalPrefixTrie
 from serving.router import LeastWorkRouter, Router
 from serving.scheduler import CostModel, Scheduler
 from serving.worker import WorkerSpec, homogeneous_degrees, layout_workers
@@ -51,6 +57,9 @@ class PoolConfig:
       kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free).
       parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
         (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
+      demand: `(rate, mean_prefill_seconds)`: the historical request rate (req/s) and, per CP
+        degree, the mean predicted prefill time of the workload (s), for systems that size
+        their initial composition from demand; None when unknown.
     """
 
     num_gpus: int
@@ -61,6 +70,7 @@ class PoolConfig:
     kv_bytes_per_token: int = 0
     kv_transfer_gb_per_s: float = 50.0
     parallelism: str = "cp"
+    demand: tuple[float, Callable[[int], float]] | None = None
 
     def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
         """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
@@ -90,6 +100,9 @@ class System:
       parallelism: "cp" (a worker's `cp_degree` devices run context-parallel prefill) or "tp"
         (they run tensor-parallel prefill, `cp_degree` = TP ways); `eval.experiment` charges and
         predicts prefill times from the profile of that parallelism.
+      setup: called with the `Scheduler` before a run (attach a controller or cache manager).
+      make_prefix_index: builds the scheduler's index of cached blocks (a `PrefixIndex` by
+        default; the `GlobalPrefixTrie` for the prefix-cache manager).
 
     Raises:
       ValueError: an unknown parallelism.
@@ -100,6 +113,8 @@ class System:
     router: Router
     tick_hooks: list[Callable[[Scheduler, float], None]] = dataclasses.field(default_factory=list)
     parallelism: str = "cp"
+    setup: list[Callable[[Scheduler], None]] = dataclasses.field(default_factory=list)
+    make_prefix_index: Callable[[], PrefixIndex] = PrefixIndex
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:
@@ -158,9 +173,27 @@ def mixed_degrees(num_gpus: int, degrees: Sequence[int]) -> list[int]:
     return out
 
 
-def _vertumnus(pool: PoolConfig) -> System:
-    return System("vertumnus", pool.workers(mixed_degrees(pool.num_gpus, pool.degrees)),
-                  VertumnusRouter())
+def _vertumnus(pool: PoolConfig, controller: bool = True, cache_manager: bool = True,
+               name: str = "vertumnus") -> System:
+    """The full system: placement-cost router, split/merge controller and prefix-cache manager.
+
+    The initial composition comes from the pool's historical demand (`initial_composition`,
+    target load = the controller's upper threshold), or `mixed_degrees` when none is known.
+    """
+    degrees = sorted(set(pool.degrees))
+    ctl_cfg = ControllerConfig(min_degree=degrees[0], max_degree=degrees[-1])
+    if pool.demand is not None:
+        rate, mean_seconds = pool.demand
+        comp = initial_composition(pool.num_gpus, degrees, rate, mean_seconds, ctl_cfg.upper)
+    else:
+        comp = mixed_degrees(pool.num_gpus, degrees)
+    setup: list[Callable[[Scheduler], None]] = []
+    if controller:
+        setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
+    if cache_manager:
+        setup.append(PrefixCacheManager(CacheManagerConfig()).attach)
+    return System(name, pool.workers(comp), VertumnusRouter(), setup=setup,
+                  make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 
 def _static_threshold(pool: PoolConfig) -> System:
@@ -178,6 +211,10 @@ def _homogeneous4(name: str, router_factory: Callable[[PoolConfig], Router],
 
 
 register_system("vertumnus", _vertumnus)
+register_system("vertumnus-static", lambda pool: _vertumnus(
+    pool, controller=False, cache_manager=False, name="vertumnus-static"))
+register_system("vertumnus-nocache", lambda pool: _vertumnus(
+    pool, cache_manager=False, name="vertumnus-nocache"))
 register_system("static-threshold", _static_threshold)
 register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))
 register_system("sglang-cp4", _homogeneous4("sglang-cp4", lambda p: SglangCacheAwareRouter()))

@@ -47,6 +47,8 @@ class VertumnusRouter:
         if not lam >= 0:
             raise ValueError(f"lam (lambda) must be >= 0, got {lam}")
         self.beta, self.lam, self.name = float(beta), float(lam), name
+        # h_w(r) counts blocks promised by prefills queued on w (FIFO: cached when r starts).
+        self.uses_pending_prefixes = True
         self.cost_model = cost_model
         self._rotation = 0
 

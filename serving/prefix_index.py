@@ -112,3 +112,67 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._holders)
+
+
+class PendingPrefixes:
+    """Blocks that workers *will* hold once the prefills queued on them have run.
+
+    A worker runs its queue in FIFO order, so a request placed behind another one with the
+    same prefix finds that prefix cached when it starts. Routing on cached blocks alone misses
+    this: under load, requests that share a new prefix arrive before its first prefill has
+    finished and get spread over many workers, each recomputing (and caching) the same prefix.
+    Counting promised blocks keeps them together, as SGLang's router does by inserting a prompt
+    into its tree at routing time. Reference-counted per (block, worker).
+    """
+
+    __slots__ = ("_count",)
+
+    def __init__(self) -> None:
+        self._count: dict[int, dict[int, int]] = {}
+
+    def add(self, worker_id: int, block_hashes: Iterable[int]) -> None:
+        count = self._count
+        for h in block_hashes:
+            per = count.get(h)
+            if per is None:
+                count[h] = {worker_id: 1}
+            else:
+                per[worker_id] = per.get(worker_id, 0) + 1
+
+    def remove(self, worker_id: int, block_hashes: Iterable[int]) -> None:
+        """Drops one promise of each block (the prefill ended or the request moved)."""
+        count = self._count
+        for h in block_hashes:
+            per = count[h]
+            n = per[worker_id] - 1
+            if n:
+                per[worker_id] = n
+            else:
+                del per[worker_id]
+                if not per:
+                    del count[h]
+
+    def extend_matches(self, block_hashes: Sequence[int], max_blocks: int,
+                       worker_ids: Sequence[int], matched: list[int]) -> list[int]:
+        """`matched` raised, per worker, to the leading run of blocks cached *or promised*.
+
+        A promised block continues a cached run: the match walks from each worker's cached
+        match on while the worker is promised the next block.
+        """
+        count = self._count
+        limit = min(max_blocks, len(block_hashes))
+        out = list(matched)
+        if not count or limit == 0:
+            return out
+        for i, w in enumerate(worker_ids):
+            k = out[i]
+            while k < limit:
+                per = count.get(block_hashes[k])
+                if per is None or w not in per:
+                    break
+                k += 1
+            out[i] = k
+        return out
+
+    def __len__(self) -> int:
+        return len(self._count)

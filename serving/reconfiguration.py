@@ -75,6 +75,8 @@ class ReconfigurationMixin:
             while w.queue:
                 r = w.queue.popleft()
                 del self._placements[r.request_id]
+                if self._use_pending:
+                    self.pending.remove(w.worker_id, r.block_hashes[:r.full_blocks])
                 requeue.append(r)
             w.queued_seconds = 0.0
         for r in sorted(requeue, key=lambda r: r.arrival_time):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from serving.backend import Backend, PrefillResult
-from serving.prefix_index import PrefixIndex
+from serving.prefix_index import PendingPrefixes, PrefixIndex
 from serving.reconfiguration import Reconfiguration, ReconfigurationMixin  # noqa: F401 (re-export)
 from serving.replication import Replication, ReplicationMixin  # noqa: F401 (re-export)
 from serving.request import Request
@@ -122,6 +122,9 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         self.backend = backend
         self.listener = listener or (lambda record: None)
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        # Blocks promised by queued and running prefills, for routers that ask for them.
+        self.pending = PendingPrefixes()
+        self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
         self.epoch = 0
         self.workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
@@ -159,8 +162,11 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
                       and n <= w.spec.max_input_len and need <= w.spec.kv_capacity_blocks]
         if not candidates:
             return candidates, []
-        matched = self.prefix_index.match_blocks(
-            request.block_hashes, request.max_cacheable_blocks, [w.worker_id for w in candidates])
+        ids = [w.worker_id for w in candidates]
+        matched = self.prefix_index.match_blocks(request.block_hashes, request.max_cacheable_blocks, ids)
+        if self._use_pending:
+            matched = self.pending.extend_matches(
+                request.block_hashes, request.max_cacheable_blocks, ids, matched)
         return candidates, matched
 
     # ----------------------------------------------------------------------------- events
@@ -248,6 +254,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             record(request, worker.cp_degree, g, matched[i])
             placement.global_cached_len = g * request.block_size
         self._placements[request.request_id] = placement
+        if self._use_pending:
+            self.pending.add(worker.worker_id, request.block_hashes[:request.full_blocks])
         worker.queue.append(request)
         worker.queued_seconds += estimate
         if worker.running is None:
@@ -271,7 +279,10 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         worker = self.workers.get(worker_id)
         if worker is None or worker.running is None or worker.running.request_id != request_id:
             raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
-        return worker, self._placements.pop(request_id), worker.running
+        request = worker.running
+        if self._use_pending:
+            self.pending.remove(worker_id, request.block_hashes[:request.full_blocks])
+        return worker, self._placements.pop(request_id), request
 
     def _after_run(self, worker: WorkerState, now: float) -> None:
         worker.running = None

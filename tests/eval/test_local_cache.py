@@ -40,3 +40,39 @@ def test_request_larger_than_cache_rejected_without_change():
     assert len(cache) == 2 and cache.free_blocks == 0
     with pytest.raises(ValueError, match="capacity_blocks"):
         LocalPrefixCache(0)
+
+
+def test_child_counts_and_capacity_hold_under_random_operations():
+    import numpy as np
+
+    from eval.local_cache import split_cache
+
+    rng = np.random.default_rng(5)
+    chains = [chain_block_hashes([k] + list(range(100 * k, 100 * k + 12))) for k in range(6)]
+    cache = LocalPrefixCache(30)
+
+    def check(c):
+        recount = {}
+        for _, parent in c.blocks():
+            if parent is not None:
+                recount[parent] = recount.get(parent, 0) + 1
+        assert c._children == recount
+        assert len(c) <= c.capacity_blocks
+
+    for step in range(400):
+        chain = chains[int(rng.integers(len(chains)))]
+        n = int(rng.integers(1, len(chain) + 1))
+        op = int(rng.integers(4))
+        if op == 0:
+            hit, _ = cache.begin(chain[:n], n, n)
+            cache.finish(chain[:n], hit, n, n)
+        elif op == 1:
+            cache.insert_chain(chain[:n])
+        elif op == 2:
+            cache.evict_blocks(chain[n - 1:n])
+        else:
+            freed = cache.reclaim_suffix(chain[:n])
+            assert all(h not in cache for h in freed)
+        check(cache)
+    for half in split_cache(cache, 15):
+        check(half)

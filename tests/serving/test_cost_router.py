@@ -40,8 +40,16 @@ def test_burst_sharing_one_long_prefix_spreads_over_idle_workers(cost_model):
     s = scheduler([2] * 8, cost_model)
     prefix = list(range(40))  # a shared 20K-token prefix
     placed = collections.Counter(s.submit(req(i, 20_480 + 300, prefix), 0.0) for i in range(300))
-    assert set(placed) == set(range(8))
-    assert max(placed.values()) - min(placed.values()) <= 1  # reservations balance the burst
+    # Reservations are immediate, so the burst spreads; and since every placement promises the
+    # prefix to its worker (FIFO: cached when the next one starts), followers pile on a worker
+    # until its queue outweighs a cold 20K-token prefill plus its GPU-time cost, not beyond.
+    assert len(placed) >= 5
+    assert max(placed.values()) <= 0.25 * 300
+    t_cold = cost_model.predict(2, 20_780, 0)
+    t_hit = cost_model.predict(2, 20_780, 20_480)
+    used = [s.workers[w].outstanding_seconds(0.0) for w in placed]
+    bound = t_cold + 2 * (t_cold - t_hit) + t_hit  # one cold prefill + lambda*G + one hit
+    assert max(used) - min(used) <= bound + 1e-9
 
 
 def test_short_request_avoids_large_degree_long_cold_request_takes_it(cost_model):

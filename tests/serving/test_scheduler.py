@@ -132,3 +132,33 @@ def test_request_validation():
         Request("a", float("nan"), 10, 1, (1,), 512)
     r = Request("a", 0.0, 1024, 1, (1, 2), 512)
     assert (r.max_cacheable_blocks, r.full_blocks) == (1, 2)
+
+
+def test_pending_prefixes_count_promised_blocks_until_the_prefill_ends():
+    from serving.cost_router import VertumnusRouter
+
+    backend, done = RecordingBackend(), []
+    s = Scheduler(layout_workers([1, 1], 100, 100_000), Cost(), VertumnusRouter(lam=0.0), backend,
+                  done.append)
+    a = req("a", 4096, ids=list(range(8)))
+    b = req("b", 4096 + 512, ids=list(range(8)) + [99])
+    s.submit(a, 0.0)
+    _, matched = s.eligible(b)
+    # worker 0 runs a: its 8 full blocks are promised, capped at b's 8 cacheable blocks.
+    assert matched == [8, 0]
+    assert s.submit(b, 1.0) == 0  # 3.1 s of queue left + 0.5 s beats a cold 4.6 s elsewhere
+    s.complete(0, "a", 1.5, PrefillResult(0, 1.5, 1.5, inserted_blocks=a.block_hashes))
+    assert len(s.pending) == 9  # only b's promises are left (8 shared + its own 9th block)
+    s.complete(0, "b", 2.0, PrefillResult(4096, 2.0, 2.0, inserted_blocks=b.block_hashes[8:]))
+    assert len(s.pending) == 0
+    # Draining drops the promises of re-routed requests.
+    for rid, last in (("c", 4), ("d", 5), ("e", 6)):  # c and d run, e queues behind one
+        s.submit(req(rid, 2048, ids=[1, 2, 3, last]), 3.0)
+    promised = lambda: sum(sum(per.values()) for per in s.pending._count.values())
+    assert promised() == 12
+    from serving.worker import merge_buddies
+    ws = list(s.workers.values())
+    merged = merge_buddies(ws[0].spec, ws[1].spec, 7, lambda c: 100_000)
+    s.begin_reconfiguration("merge", [0, 1], [merged], 3.5)
+    # e now waits for the merged worker (both old ones drain); only c's and d's promises remain.
+    assert promised() == 8 and s.num_in_flight == 3
