@@ -35,7 +35,16 @@ _OUT = flags.DEFINE_string("output_json", "out/bench_sim.json", "Where the JSON 
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        run()
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run() -> None:
+    """The benchmark (see the module docstring)."""
     if not os.path.isfile(_TRACE.value):
         sys.exit(f"error: trace {_TRACE.value} not found; pass --trace=PATH to the Mooncake "
                  "conversation trace (kvcache-ai/Mooncake, FAST25-release/traces/)")

@@ -20,7 +20,7 @@ from eval.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
 from eval.simulator import SimConfig, simulate
 from eval.slo import SloSpec, assign_slos
-from eval.systems import PoolConfig, System, build_system, expand_systems
+from eval.systems import Demand, PoolConfig, System, build_system, expand_systems
 from eval.workloads import prefix_hit_tokens, scale_to_rate
 from serving.cost_model import PrefillCostModel
 from serving.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
@@ -197,7 +197,7 @@ class ReplayEnv:
                 self._pool_for(system.parallelism), demand=demand))
         return system
 
-    def demand(self, requests: Sequence[Request], rate: float) -> tuple[float, Callable[[int], float]]:
+    def demand(self, requests: Sequence[Request], rate: float) -> Demand:
         """`PoolConfig.demand` of a workload at `rate`: the cost model's mean prefill time per
         degree, with each request's prefix hit as an unbounded shared cache would give it."""
         hits = prefix_hit_tokens(requests)
@@ -209,7 +209,7 @@ class ReplayEnv:
                               for r, h in zip(requests, hits)) / len(requests)
             return memo[c]
 
-        return rate, mean_seconds
+        return Demand(rate, mean_seconds, max(r.input_len for r in requests))
 
     def ground_truth(self, cfg: ReplayConfig, parallelism: str = "cp") -> GroundTruthProfile:
         """A fresh ground-truth clock (same seed, so every system draws the same noise stream)

@@ -4,7 +4,7 @@ With no flags it replays the built-in Tool-Agent workload on 40 simulated H20 GP
 Qwen3-30B-A3B, as homogeneous CP-2 and CP-4 pools at three load levels, prints the summary
 table and writes, under `--output_dir`:
 
-- `<trace>__<system>__rate<r>.json`: one per (system, rate; r in req/s with 3 decimals),
+- `<trace>__<system>__rate<r>.json`: one per (system, rate; r in req/s, 6 significant digits),
   `vllm bench serve` key names plus
   ours (see `eval.metrics`);
 - `<trace>__summary.md` (the table) and `<trace>__summary.json` (all results);
@@ -17,8 +17,11 @@ file: Mooncake JSONL, Azure CSV, L-Eval CSV; or `--trace_format`).
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -56,7 +59,8 @@ _PROFILE = flags.DEFINE_string("profile_csv", "", "Measured profile CSV instead 
 _SLO = flags.DEFINE_string("slo", "scale:5", "TTFT SLO: scale:K, fixed:S or affine:A,B (eval.slo).")
 _NOISE = flags.DEFINE_float("noise_sigma", 0.05, "Lognormal sigma of prefill-time noise.",
                             lower_bound=0.0)
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload generator, window and noise.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload generator, window and noise.",
+                             lower_bound=0)
 _KV_BLOCKS = flags.DEFINE_integer("kv_blocks_per_gpu", 0, "KV blocks per GPU; 0 = from HBM.",
                                   lower_bound=0)
 _XFER = flags.DEFINE_float("kv_transfer_gb_per_s", 50.0,
@@ -106,6 +110,9 @@ def main(argv):
             degrees = tuple(int(d) for d in _DEGREES.value)
         except ValueError:
             raise ValueError(f"--degrees must be integers, got {_DEGREES.value}") from None
+        for flag in (_FIRST, _XFER, _NOISE, _DURATION, _WINDOW, _LEVAL_RATE):
+            if not math.isfinite(flag.value):
+                raise ValueError(f"--{flag.name} must be a finite number, got {flag.value}")
         settings = dict(
             gpu=_GPU.value, model=_MODEL.value, profile_csv=_PROFILE.value or None,
             num_gpus=_GPUS.value, degrees=degrees, systems=tuple(_SYSTEMS.value),
@@ -122,32 +129,52 @@ def main(argv):
         print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
               f"mean input {stats['input_mean']:.0f} tokens, prefix reuse with an unbounded shared "
               f"cache {stats['reuse']:.1%}")
+        labels = [f"{r:.6g}" for r in cfg.rates]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"--rates must differ in their first 6 significant digits, got {labels}")
         results, env = run_sweep(requests, name, cfg, progress=_PROGRESS.value)
+        wall = time.perf_counter() - t0
+        write_outputs(results, env, cfg, name, degrees)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    wall = time.perf_counter() - t0
+    print(report.markdown_table(results))
+    print(f"\n{len(results)} runs in {wall:.1f} s; results in {_OUT.value}/")
 
+
+def write_outputs(results, env, cfg, name, degrees) -> None:
+    """Writes the per-run JSON, the summaries and the plot under --output_dir (see module doc).
+
+    Everything is written to a temporary folder beside the output folder first, then moved into
+    place, so a failure leaves no half-written set of files.
+    """
     extra = {"degrees": list(degrees), "window_s": _WINDOW.value, "block_size": _BLOCK.value,
              "kv_transfer_gb_per_s": _XFER.value, "first_token_ms": _FIRST.value}
     os.makedirs(_OUT.value, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".replay-", dir=_OUT.value)
+    try:
+        _write_all(results, env, cfg, name, extra, stage)
+        for f in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, f), os.path.join(_OUT.value, f))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_all(results, env, cfg, name, extra, out) -> None:
     for r in results:
         r.update(extra)
-        path = os.path.join(_OUT.value, f"{name}__{r['system']}__rate{r['request_rate']:.3f}.json")
+        path = os.path.join(out, f"{name}__{r['system']}__rate{r['request_rate']:.6g}.json")
         with open(path, "w") as f:
-            json.dump(r, f, indent=1, sort_keys=True)
-    with open(os.path.join(_OUT.value, f"{name}__summary.json"), "w") as f:
-        json.dump(results, f, indent=1, sort_keys=True)
+            json.dump(r, f, indent=1, sort_keys=True, allow_nan=False)
+    with open(os.path.join(out, f"{name}__summary.json"), "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True, allow_nan=False)
     fit = env.cost_model.fit_error()
     header = (f"# Replay of `{name}` on {cfg.num_gpus} x {cfg.gpu}, {cfg.model}, SLO {cfg.slo}\n\n"
               f"Cost-model fit error (mean / max relative) per CP degree: "
               + ", ".join(f"C={c}: {m:.1%} / {x:.1%}" for c, (m, x) in fit.items()) + "\n\n")
-    table = report.markdown_table(results)
-    with open(os.path.join(_OUT.value, f"{name}__summary.md"), "w") as f:
-        f.write(header + table + "\n")
-    report.plot_vs_rate(results, os.path.join(_OUT.value, f"{name}.png"),
+    with open(os.path.join(out, f"{name}__summary.md"), "w") as f:
+        f.write(header + report.markdown_table(results) + "\n")
+    report.plot_vs_rate(results, os.path.join(out, f"{name}.png"),
                         f"{name}: {cfg.num_gpus} x {cfg.gpu}, {cfg.model}")
-    print(table)
-    print(f"\n{len(results)} runs in {wall:.1f} s; results in {_OUT.value}/")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from serving.scheduler import CostModel, RequestRecord, Scheduler
 from serving.worker import WorkerSpec
 
 _COMPLETE, _CALL, _ARRIVAL, _TICK = 0, 1, 2, 3
+MAX_TIME_S = 1e11  # keeps t + tick_interval > t in float64 for ticks >= 1 ms
 
 
 def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_model: CostModel,
@@ -57,6 +58,10 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
       ValueError: requests not sorted by arrival time.
       RuntimeError: the run ended with requests still in flight (a scheduler bug).
     """
+    if requests and requests[-1].arrival_time > MAX_TIME_S:
+        raise ValueError(f"arrival times must be <= {MAX_TIME_S:g} s (about 3,000 years); the last "
+                         f"request arrives at {requests[-1].arrival_time:g} s (a request rate far "
+                         "too low?)")
     for a, b in zip(requests, requests[1:]):
         if b.arrival_time < a.arrival_time:
             raise ValueError(f"requests must be sorted by arrival_time; {b.request_id!r} at "
@@ -119,5 +124,8 @@ def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, t
             scheduler.tick(t)
             if not heap and i >= n and scheduler.num_in_flight and not scheduler.reconfigurations:
                 break  # requests wait for workers that will never come back: reported below
-            if i < n or scheduler.num_in_flight or scheduler.reconfigurations or heap:
+            busy = scheduler.num_in_flight or scheduler.reconfigurations or heap
+            if busy:
                 heapq.heappush(heap, (t + tick, _TICK, 0, None))
+            elif i < n:  # idle until the next arrival: no point ticking through the gap
+                heapq.heappush(heap, (max(t + tick, requests[i].arrival_time), _TICK, 0, None))

@@ -15,6 +15,7 @@ Three forms, chosen by a spec string (the `--slo` flag of `eval.replay`):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from serving.request import Request
@@ -47,6 +48,8 @@ class SloSpec:
             values = [float(x) for x in rest.split(",")] if rest else []
         except ValueError:
             raise ValueError(f"slo={spec!r}: {forms}") from None
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"slo={spec!r}: values must be finite; {forms}")
         if kind in ("scale", "fixed") and len(values) == 1 and values[0] > 0:
             return cls(kind, values[0])
         if kind == "affine" and len(values) == 2 and min(values) >= 0 and max(values) > 0:

@@ -43,6 +43,21 @@ from serving.worker import WorkerSpec, homogeneous_degrees, layout_workers
 
 
 @dataclasses.dataclass(frozen=True)
+class Demand:
+    """Historical demand of a workload.
+
+    Attributes:
+      rate: requests per second.
+      mean_prefill_seconds: CP degree -> mean predicted prefill time of a request (seconds).
+      max_input_len: the longest prompt seen (tokens).
+    """
+
+    rate: float
+    mean_prefill_seconds: Callable[[int], float]
+    max_input_len: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolConfig:
     """What every system of one comparison shares.
 
@@ -57,9 +72,8 @@ class PoolConfig:
       kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free).
       parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
         (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
-      demand: `(rate, mean_prefill_seconds)`: the historical request rate (req/s) and, per CP
-        degree, the mean predicted prefill time of the workload (s), for systems that size
-        their initial composition from demand; None when unknown.
+      demand: the workload's historical `Demand`, for systems that size their initial
+        composition from it; None when unknown.
     """
 
     num_gpus: int
@@ -70,7 +84,7 @@ class PoolConfig:
     kv_bytes_per_token: int = 0
     kv_transfer_gb_per_s: float = 50.0
     parallelism: str = "cp"
-    demand: tuple[float, Callable[[int], float]] | None = None
+    demand: Demand | None = None
 
     def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
         """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
@@ -183,8 +197,11 @@ def _vertumnus(pool: PoolConfig, controller: bool = True, cache_manager: bool = 
     degrees = sorted(set(pool.degrees))
     ctl_cfg = ControllerConfig(min_degree=degrees[0], max_degree=degrees[-1])
     if pool.demand is not None:
-        rate, mean_seconds = pool.demand
-        comp = initial_composition(pool.num_gpus, degrees, rate, mean_seconds, ctl_cfg.upper)
+        d = pool.demand
+        # Keep at least one worker able to hold the longest prompt seen.
+        need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
+        comp = initial_composition(pool.num_gpus, degrees, d.rate, d.mean_prefill_seconds,
+                                   ctl_cfg.upper, min_largest_degree=need)
     else:
         comp = mixed_degrees(pool.num_gpus, degrees)
     setup: list[Callable[[Scheduler], None]] = []

@@ -94,6 +94,7 @@ class ReconfigurationController:
         self._ref_share: float | None = None
         self._ref_load = 0.0
         self._scheduler = None
+        self.longest = 0  # longest prompt seen (tokens): a split never leaves none to hold it
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -109,6 +110,7 @@ class ReconfigurationController:
         gpu_s = c * s.cost_model.predict(c, request.input_len, h * request.block_size)
         is_long = request.input_len >= self.config.long_threshold
         self._arrivals.append((now, gpu_s, request.input_len, is_long))
+        self.longest = max(self.longest, request.input_len)
         self._gpu_s += gpu_s
         self._tokens += request.input_len
         self._long_tokens += request.input_len if is_long else 0
@@ -174,6 +176,13 @@ class ReconfigurationController:
     def _split(self, scheduler, now):
         cands = [w for w in scheduler.workers.values()
                  if w.status is WorkerStatus.ACTIVE and w.cp_degree > self.config.min_degree]
+        # The longest prompt seen that the largest allowed degree could hold.
+        target = min(self.longest, self.max_input_len(self.config.max_degree))
+        if self.max_input_len(self.config.min_degree) < target:
+            holders = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE
+                       and w.spec.max_input_len >= target]
+            if len(holders) == 1 and self.max_input_len(holders[0].cp_degree // 2) < target:
+                cands = [w for w in cands if w is not holders[0]]  # the last one stays whole
         if not cands:
             return None
         w = min(cands, key=lambda w: (self._cost(scheduler, [w], now), w.spec.first_device))
@@ -211,7 +220,8 @@ def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
 
 
 def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
-                        mean_prefill_seconds: Callable[[int], float], target_load: float) -> list[int]:
+                        mean_prefill_seconds: Callable[[int], float], target_load: float,
+                        min_largest_degree: int = 1) -> list[int]:
     """The starting composition from historical demand (paper section 6).
 
     A composition's capacity is `sum_w 1 / mean_prefill_seconds(C_w)` requests per second
@@ -225,6 +235,8 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
       rate: historical request rate, req/s (> 0).
       mean_prefill_seconds: degree -> mean predicted prefill time of the historical mix (s).
       target_load: in (0, 1]: the utilisation the composition may run at.
+      min_largest_degree: only compositions with a worker of at least this degree (one that
+        can hold the longest prompts) are considered.
 
     Raises:
       ValueError: no composition of `degrees` fills `num_gpus`, or a bad rate / target_load.
@@ -233,9 +245,10 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
         raise ValueError(f"rate must be > 0 req/s, got {rate}")
     if not 0 < target_load <= 1:
         raise ValueError(f"target_load must be in (0, 1], got {target_load}")
-    options = compositions(num_gpus, degrees)
+    options = [c for c in compositions(num_gpus, degrees) if max(c) >= min_largest_degree]
     if not options:
-        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus}")
+        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
+                         f"with a worker of degree >= {min_largest_degree}")
     t = {c: mean_prefill_seconds(c) for c in set(degrees)}
 
     def capacity(comp):

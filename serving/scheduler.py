@@ -234,8 +234,11 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
     def _route(self, request: Request, now: float) -> int | None:
         candidates, matched = self.eligible(request)
         if not candidates:
-            if any(w.can_hold(request) for w in self.workers.values()):
-                self._pending.append(request)
+            need = -(-request.input_len // request.block_size)
+            if any(w.can_hold(request) for w in self.workers.values()) or any(
+                    request.input_len <= spec.max_input_len and need <= spec.kv_capacity_blocks
+                    for rec in self.reconfigurations.values() for spec in rec.new_specs):
+                self._pending.append(request)  # a draining worker or one being re-carved
                 return None
             largest = max(w.spec.max_input_len for w in self.workers.values())
             self._fail_unplaced(request, now, (

@@ -138,3 +138,32 @@ def test_initial_composition_most_large_workers_with_enough_capacity():
         initial_composition(6, [4], 1.0, t, 0.8)
     with pytest.raises(ValueError, match="lower < upper"):
         ControllerConfig(upper=0.2, lower=0.5)
+
+
+def test_initial_composition_keeps_a_worker_for_the_longest_prompts():
+    t = {2: 1.0, 4: 0.55}.get
+    assert initial_composition(8, [2, 4], 100.0, t, 0.8) == [2, 2, 2, 2]
+    assert initial_composition(8, [2, 4], 100.0, t, 0.8, min_largest_degree=4) == [4, 2, 2]
+
+
+def test_controller_never_splits_the_last_worker_that_holds_the_longest_prompt():
+    from serving.scheduler import Scheduler
+
+    class B:
+        def start_prefill(self, *a):
+            pass
+
+        def recarve(self, *a):
+            pass
+
+    max_len = {1: 1000, 2: 2000, 4: 4000}.get
+    specs = [WorkerSpec(0, 4, 0, 400, 4000), WorkerSpec(1, 2, 4, 200, 2000), WorkerSpec(2, 2, 6, 200, 2000)]
+    s = Scheduler(specs, LinearCost(), LeastWorkRouter(), B())
+    ctl = ReconfigurationController(ControllerConfig(min_degree=1, max_degree=4), 8, max_len)
+    ctl.attach(s)
+    ctl.observe(Request("long", 0.0, 3500, 1, chain_block_hashes(range(7)), 512), 0.0)
+    s.workers[1].queued_seconds = s.workers[2].queued_seconds = 5.0  # the CP-4 is the idlest
+    kind, old, new = ctl._split(s, 1.0)
+    assert old == [1] and [w.cp_degree for w in new] == [1, 1]  # a CP-2 is split, not the CP-4
+    ctl.longest = 1500  # once no prompt needs the CP-4, it is the cheapest to split
+    assert ctl._split(s, 1.0)[1] == [0]
