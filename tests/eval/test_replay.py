@@ -68,7 +68,7 @@ def test_cli_writes_json_table_and_plot(tmp_path):
     assert "| homogeneous-cp4 | 6.00 |" in proc.stdout
     files = sorted(p.name for p in out.iterdir())
     assert {"toolagent__summary.md", "toolagent__summary.json", "toolagent.png"} <= set(files)
-    run = json.loads((out / "toolagent__homogeneous-cp2__rate3.000.json").read_text())
+    run = json.loads((out / "toolagent__homogeneous-cp2__rate3.json").read_text())
     for key in ("completed", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                 "request_goodput", "slo_attainment", "token_weighted_slo_attainment",
                 "total_cached_tokens", "composition"):
