@@ -114,5 +114,3 @@ def reblock_hash_ids(hash_ids: Sequence[int], input_len: int, source_block_size:
     segs[-1] = (segs[-1][0], last)
     return chain_block_hashes(segment_block_ids(segs, block_size))
 
-
-# ----------------------------------------------------------------------------- reading

@@ -3,12 +3,19 @@
 Every loader reads the file's lines into a `grain.MapDataset` (`MapDataset.source(rows)
 .map_with_index(parse)`), validates each row and returns a `Trace` whose requests are sorted by
 arrival time (a stable sort: ties keep file order). Request ids are stable strings
-`"<trace name>:<row>"`, `row` being the 0-based data row of the file (the JSONL line number
-minus 1; the CSV line number minus 2 for the header), so they survive sorting and windowing.
+`"<trace name>:<row>"`, `row` being the 0-based data row of the file (in a file without blank
+lines: the JSONL line number minus 1; the CSV line number minus 2 for the header), so they
+survive sorting and windowing.
+
+Reading: files are read as UTF-8, a leading byte-order mark accepted (as `encoding="utf-8-sig"`);
+lines end at `\n`, `\r\n` or `\r`. Blank and whitespace-only lines (trailing ones included)
+are not data: they are skipped, are not counted as malformed and do not take a row index. Token
+counts must be integers below 2^31.
 
 A malformed row raises `TraceFormatError` naming the file, the 1-based line number and the
-field. With `skip_malformed=True` such rows are dropped instead and counted in `Trace.skipped`
-(their line numbers in `Trace.skipped_lines`); nothing is dropped silently.
+field; so does a line that is not valid UTF-8 (field "encoding"). With `skip_malformed=True` such
+rows are dropped instead and counted in `Trace.skipped` (their line numbers in
+`Trace.skipped_lines`); nothing is dropped silently.
 
 Prefix structure is carried as block-hash chains (`serving.request.chain_block_hashes`). Where a
 trace has no per-block ids, a prompt is modelled as a concatenation of content *segments*
@@ -21,136 +28,28 @@ Formats: see `../shared/traces/README.md` and the public sources (kvcache-ai/Moo
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import datetime
 import json
 import math
 import pathlib
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
 from eval.content import reblock_hash_ids, segment_block_ids, segment_id
+from eval.trace_io import (MAX_TOKENS, Trace, TraceFormatError, _blank, _check_block_size,  # noqa: F401
+                           _csv_int, _finish, _json_int, _parse_datetime, _ragged, _read_csv,
+                           _read_lines, _RowError, _run_rows, _show)
 from serving.request import Request, chain_block_hashes, num_blocks
 
 MOONCAKE_BLOCK_SIZE = 512  # tokens per `hash_ids` entry in the Mooncake traces
 # Segment-kind tags, mixed into segment ids so ids of different loaders never collide.
 _TAG_AZURE = 0x415A5552
 _TAG_LEVAL_DOC, _TAG_LEVAL_INSTR = 0x4C444F43, 0x4C494E53
-
-
-class TraceFormatError(ValueError):
-    """A trace row (or the file) does not follow its format.
-
-    Attributes:
-      path: the trace file.
-      line: 1-based line number of the offending row, or None for the file as a whole.
-      field: the offending field (a column or JSON key; "json" for an unparsable JSONL line,
-        "columns" for a CSV row with extra columns), or None.
-    """
-
-    def __init__(self, path: str | pathlib.Path, line: int | None, field: str | None, message: str):
-        self.path, self.line, self.field = str(path), line, field
-        where = f"{path}, line {line}" if line is not None else f"{path}"
-        what = f", field {field!r}" if field is not None else ""
-        super().__init__(f"{where}{what}: {message}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Trace:
-    """A loaded trace.
-
-    Attributes:
-      name: short label, also the prefix of every request id (e.g. "mooncake-conv").
-      requests: the requests sorted by `arrival_time` (seconds), ties in file order.
-      source_path: the file it came from.
-      skipped: malformed rows dropped under `skip_malformed=True` (0 otherwise).
-      skipped_lines: their 1-based line numbers, ascending.
-    """
-
-    name: str
-    requests: list[Request]
-    source_path: str | None = None
-    skipped: int = 0
-    skipped_lines: tuple[int, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self.requests)
-
-
-class _RowError(Exception):
-    def __init__(self, field: str | None, message: str):
-        super().__init__(message)
-        self.field, self.message = field, message
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Bad:
-    line: int
-    field: str | None
-    message: str
-
-
-def _run_rows(path: pathlib.Path, rows: Sequence[Any], line_of: Callable[[int, Any], int],
-              parse: Callable[[int, Any], Any], skip_malformed: bool) -> tuple[list[Any], list[int]]:
-    """Parses `rows` through a grain MapDataset; returns (parsed rows, skipped line numbers)."""
-
-    def guarded(i: int, row: Any) -> Any:
-        try:
-            return parse(i, row)
-        except _RowError as e:
-            return _Bad(line_of(i, row), e.field, e.message)
-
-    ds = grain.MapDataset.source(rows).map_with_index(guarded)
-    good, skipped = [], []
-    for i in range(len(ds)):
-        item = ds[i]
-        if isinstance(item, _Bad):
-            if not skip_malformed:
-                raise TraceFormatError(path, item.line, item.field, item.message)
-            skipped.append(item.line)
-        else:
-            good.append(item)
-    if not good:
-        raise TraceFormatError(path, None, None, f"no valid requests ({len(skipped)} rows skipped)")
-    return good, skipped
-
-
-def _json_int(obj: dict, field: str, lo: int) -> int:
-    if field not in obj:
-        raise _RowError(field, "missing")
-    v = obj[field]
-    if type(v) is not int or v < lo:
-        raise _RowError(field, f"must be an integer >= {lo}, got {v!r}")
-    return v
-
-
-def _csv_int(row: dict[str, str], field: str, lo: int) -> int:
-    text = row[field]
-    try:
-        v = int(text)
-    except ValueError:
-        raise _RowError(field, f"must be an integer >= {lo}, got {text!r}") from None
-    if v < lo:
-        raise _RowError(field, f"must be an integer >= {lo}, got {v}")
-    return v
-
-
-def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 token, got {block_size!r}")
-
-
-def _finish(name: str, path: pathlib.Path, reqs: list[Request], skipped: list[int]) -> Trace:
-    reqs.sort(key=lambda r: r.arrival_time)  # stable: ties keep file order
-    return Trace(name, reqs, str(path), len(skipped), tuple(skipped))
 
 
 def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZE,
@@ -173,10 +72,11 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZ
       source_block_size: tokens per `hash_ids` entry in the file (512 for the public traces).
 
     Returns:
-      A `Trace`; request ids "<name>:<line - 1>".
+      A `Trace`; request ids "<name>:<row>", row the 0-based index among the non-blank lines.
 
     Raises:
-      TraceFormatError: a malformed line (file, line, field), or no valid line at all.
+      TraceFormatError: a malformed line (file, line, field; a timestamp past the float range,
+        a length >= 2^31, a line that is not UTF-8 included), or no valid line at all.
       ValueError: block_size or source_block_size < 1.
       OSError: the file cannot be read.
     """
@@ -188,18 +88,27 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZ
         short = {"conversation": "conv", "synthetic": "synth", "toolagent": "tool"}
         name = "mooncake-" + short.get(stem, stem)
 
-    def parse(i: int, text: str) -> Request:
+    def parse(i: int, item: tuple[int, str | _RowError]) -> Request:
+        text = item[1]
+        if isinstance(text, _RowError):
+            raise text
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise _RowError("json", f"not valid JSON ({e.msg})") from None
+        except ValueError as e:  # an integer literal past the int-string conversion limit
+            raise _RowError("json", f"not valid JSON ({_show(str(e), 80)})") from None
         if not isinstance(obj, dict):
             raise _RowError("json", f"expected a JSON object, got {type(obj).__name__}")
         if "timestamp" not in obj:
             raise _RowError("timestamp", "missing")
         ts = obj["timestamp"]
-        if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
-            raise _RowError("timestamp", f"must be a finite number >= 0 (ms), got {ts!r}")
+        try:  # float() of an int past the float range raises OverflowError
+            ok = type(ts) in (int, float) and math.isfinite(ms := float(ts)) and ms >= 0
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise _RowError("timestamp", f"must be a finite number >= 0 (ms), got {_show(ts)}")
         input_len = _json_int(obj, "input_length", 1)
         output_len = _json_int(obj, "output_length", 0)
         ids = obj.get("hash_ids")
@@ -213,54 +122,12 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZ
             hashes = chain_block_hashes(ids)
         else:
             hashes = reblock_hash_ids(ids, input_len, source_block_size, block_size)
-        return Request(f"{name}:{i}", ts / 1000.0, input_len, output_len, hashes, block_size)
+        return Request(f"{name}:{i}", ms / 1000.0, input_len, output_len, hashes, block_size)
 
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]  # only newlines end a JSONL record
-    reqs, skipped = _run_rows(path, lines, lambda i, _: i + 1, parse, skip_malformed)
+    rows = [(n, text) for n, text in enumerate(_read_lines(path), start=1)
+            if not (isinstance(text, str) and _blank(text))]
+    reqs, skipped = _run_rows(path, rows, lambda i, item: item[0], parse, skip_malformed)
     return _finish(name, path, reqs, skipped)
-
-
-def _read_csv(path: pathlib.Path,
-              required: Sequence[str]) -> list[tuple[int, dict[str, str] | str]]:
-    """CSV data rows as `(line_number, {column: text})`, or `(line, error)` for a ragged row."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise TraceFormatError(path, None, None, "empty file (no header)")
-        header = [h.strip() for h in header]
-        for col in required:
-            if col not in header:
-                raise TraceFormatError(path, 1, col, f"missing column (header has {header})")
-        rows: list[tuple[int, dict[str, str] | str]] = []
-        prev = reader.line_num
-        for fields in reader:
-            line = prev + 1  # first physical line of this record
-            prev = reader.line_num
-            if len(fields) < len(header):
-                rows.append((line, header[len(fields)]))
-            elif len(fields) > len(header):
-                rows.append((line, "columns"))
-            else:
-                rows.append((line, dict(zip(header, fields))))
-    return rows
-
-
-def _ragged(row: dict[str, str] | str) -> dict[str, str]:
-    if isinstance(row, str):
-        raise _RowError(row, "missing" if row != "columns" else "more fields than the header")
-    return row
-
-
-def _parse_datetime(text: str) -> datetime.datetime:
-    try:
-        dt = datetime.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise _RowError("TIMESTAMP", f"must be an ISO date-time, got {text!r}") from None
-    if dt.tzinfo is not None:
-        dt = dt.astimezone(datetime.timezone.utc).replace(tzinfo=None)
-    return dt
 
 
 def load_azure(path: str | pathlib.Path, skip_malformed: bool = False, block_size: int = 512,
@@ -282,8 +149,9 @@ def load_azure(path: str | pathlib.Path, skip_malformed: bool = False, block_siz
       A `Trace`; request ids "<name>:<row>", row the 0-based data row.
 
     Raises:
-      TraceFormatError: missing column, ContextTokens < 1, GeneratedTokens < 0, bad TIMESTAMP,
-        ragged row; or no valid row.
+      TraceFormatError: missing or duplicated column; ContextTokens not in [1, 2^31),
+        GeneratedTokens not in [0, 2^31), bad TIMESTAMP, ragged row, a line not UTF-8; or no
+        valid row.
       ValueError: block_size < 1.
     """
     _check_block_size(block_size)
@@ -338,7 +206,8 @@ def load_leval(path: str | pathlib.Path, rate: float, seed: int, block_size: int
       A `Trace`; request ids "<name>:<row>", row the 0-based data row.
 
     Raises:
-      TraceFormatError: a missing column, a bad or inconsistent value (file, line, field).
+      TraceFormatError: a missing or duplicated column, a bad or inconsistent value (token counts
+        must be in [0, 2^31)), a line not UTF-8 (file, line, field).
       ValueError: rate not a finite number > 0, or block_size < 1.
     """
     _check_block_size(block_size)
@@ -416,11 +285,11 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
         fmt, spec = head, rest
     path = pathlib.Path(spec)
     if fmt == "auto":
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             fmt = "mooncake"
-        elif path.suffix == ".csv":
-            with open(path, encoding="utf-8-sig") as f:
-                header = f.readline()
+        elif path.suffix.lower() == ".csv":
+            with open(path, encoding="utf-8-sig", errors="replace") as f:
+                header = f.readline()  # only to pick the loader, which checks the encoding
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
             raise ValueError(f"cannot tell the format of {spec!r} from its name or header: give it "

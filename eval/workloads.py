@@ -62,7 +62,7 @@ def scale_to_rate(requests: Iterable[Request], rate: float) -> list[Request]:
 
 
 def retime(requests: Iterable[Request],
-           arrivals_from: Iterable[Request] | np.ndarray) -> list[Request]:
+           arrivals_from: Iterable[Request] | Iterable[float] | np.ndarray) -> list[Request]:
     """Gives one trace's requests another trace's arrival process.
 
     With the source arrivals sorted, `a_0 <= ... <= a_{m-1}`, and the requests in arrival order,
@@ -73,17 +73,26 @@ def retime(requests: Iterable[Request],
 
     Args:
       requests: the requests to re-time.
-      arrivals_from: the trace whose arrival process is used (Requests or arrival times, s);
-        at least 2 arrivals, not all at one instant.
+      arrivals_from: the trace whose arrival process is used: Requests, or arrival times in
+        seconds (any array-like of numbers, e.g. a list or an ndarray, read by `np.asarray` and
+        flattened); at least 2 arrivals, not all at one instant.
 
     Raises:
-      ValueError: arrivals_from has < 2 arrivals, zero span, or non-finite times.
+      ValueError: arrivals_from has < 2 arrivals, zero span, non-finite or non-numeric times,
+        or mixes Requests with numbers.
     """
     reqs = _sorted(requests)
-    if isinstance(arrivals_from, np.ndarray):
-        src = np.sort(np.asarray(arrivals_from, dtype=np.float64).ravel())
-    else:
-        src = np.sort(np.array([r.arrival_time for r in arrivals_from], dtype=np.float64))
+    items = arrivals_from if isinstance(arrivals_from, np.ndarray) else list(arrivals_from)
+    is_req = [isinstance(x, Request) for x in items] if isinstance(items, list) else [False]
+    if any(is_req) and not all(is_req):
+        raise ValueError("arrivals_from must hold only Requests or only arrival times (s), "
+                         "not a mix")
+    try:
+        times = [r.arrival_time for r in items] if all(is_req) else items
+        src = np.sort(np.asarray(times, dtype=np.float64).ravel())
+    except (TypeError, ValueError):
+        raise ValueError(f"arrivals_from must hold Requests or arrival times in seconds, got "
+                         f"{type(arrivals_from).__name__} of non-numbers") from None
     if src.size < 2 or not np.all(np.isfinite(src)) or src[-1] <= src[0]:
         raise ValueError(f"arrivals_from must hold >= 2 finite arrival times spanning > 0 s, "
                          f"got {src.size} spanning {src[-1] - src[0] if src.size else 0} s")
@@ -161,6 +170,8 @@ def workload_stats(requests: Iterable[Request]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- Tool-Agent
 
 _TAG_HEAD, _TAG_TOOLS, _CATALOGUE_SEED = 0x7A0, 0x7A1, 0x7A6
+MAX_AGENT_RATE = 1e4            # req/s: far above any one prefill pool
+MAX_AGENT_REQUESTS = 10_000_000  # expected calls per window (duration, or warm-up) * rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +259,13 @@ def tool_agent_workload(duration_s: float = 3600.0, rate: float = 6.6, seed: int
     input mean 8,559 (p50 7,203, p90 12,384, p99 22,663), output mean 182.0, reuse 59.0 %;
     seed 1: 6.59 req/s, input mean 8,575, output 182.7, reuse 59.0 %.
 
+    Size guards (the generator holds every session in memory): `rate <= MAX_AGENT_RATE` (1e4
+    req/s), and both `duration_s * rate` (the expected request count) and
+    `config.warmup_s * rate` (calls simulated before t = 0) at most `MAX_AGENT_REQUESTS` (1e7).
+
     Args:
-      duration_s: seconds of workload, > 0.
-      rate: mean request rate, req/s, > 0.
+      duration_s: seconds of workload, > 0, with `duration_s * rate <= 1e7` requests.
+      rate: mean request rate, req/s, in (0, 1e4].
       seed: seed of the sessions (numpy Generator); the same seed gives the same requests.
       block_size: tokens per block, >= 1.
       config: model parameters; default `ToolAgentConfig()`.
@@ -259,13 +274,22 @@ def tool_agent_workload(duration_s: float = 3600.0, rate: float = 6.6, seed: int
       Requests sorted by arrival (seconds in [0, duration_s)), ids "toolagent:<session>.<call>".
 
     Raises:
-      ValueError: duration_s or rate not finite and > 0, block_size < 1.
+      ValueError: duration_s not finite and > 0, rate not in (0, 1e4], duration_s * rate or
+        config.warmup_s * rate above 1e7 requests, block_size not an integer >= 1.
     """
     _positive(duration_s, "duration_s", "seconds")
     _positive(rate, "rate", "requests/s")
-    if not isinstance(block_size, int) or block_size < 1:
+    if rate > MAX_AGENT_RATE:
+        raise ValueError(f"rate must be in (0, {MAX_AGENT_RATE:g}] requests/s, got {rate!r}")
+    if duration_s * rate > MAX_AGENT_REQUESTS:
+        raise ValueError(f"duration_s * rate must be <= {MAX_AGENT_REQUESTS:g} requests, got "
+                         f"{duration_s!r} s * {rate!r} req/s = {duration_s * rate:g}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1 token, got {block_size!r}")
     c = config or ToolAgentConfig()
+    if c.warmup_s * rate > MAX_AGENT_REQUESTS:
+        raise ValueError(f"config.warmup_s * rate must be <= {MAX_AGENT_REQUESTS:g} requests "
+                         f"(calls simulated before t = 0), got {c.warmup_s!r} s * {rate!r} req/s")
     # Template catalogue (the same for every seed): head | session slot | tool catalogue.
     k = c.num_templates
     cat = np.random.default_rng(_CATALOGUE_SEED)
@@ -278,7 +302,8 @@ def tool_agent_workload(duration_s: float = 3600.0, rate: float = 6.6, seed: int
     head_full = [int(h) // block_size for h in head]
     head_hash = [chain_block_hashes(segment_block_ids([(head_seg[t], int(head[t]))],
                                                       block_size)[:head_full[t]]) for t in range(k)]
-    pop = 1.0 / np.arange(1, k + 1) ** c.zipf_exponent
+    with np.errstate(over="ignore"):  # a huge exponent: every rank but the first gets 0
+        pop = 1.0 / np.arange(1, k + 1) ** c.zipf_exponent
     # Sessions: Poisson starts over [-warmup, duration) at rate / E[steps].
     p = 1.0 / c.mean_steps
     calls_per_session = (1 - (1 - p) ** c.max_steps) / p  # E[min(Geometric(p), max_steps)]

@@ -282,11 +282,14 @@ def _check_inputs(q, k, v, q_positions, kv_positions) -> None:
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
     batch, q_len, num_q_heads, head_dim = q.shape
-    if min(batch, q_len, k.shape[1], num_q_heads, head_dim) < 1:
-        raise ValueError(
-            f"batch, q_len, kv_len, heads and head_dim must be >= 1; got q.shape={q.shape}, "
-            f"k.shape={k.shape}"
-        )
+    sizes = (("batch", batch), ("q_len", q_len), ("kv_len", k.shape[1]),
+             ("num_q_heads", num_q_heads), ("num_kv_heads", k.shape[2]), ("head_dim", head_dim))
+    for name, size in sizes:
+        if size < 1:
+            raise ValueError(
+                f"{name} must be >= 1; got {size} (q.shape={q.shape}, k.shape={k.shape}; "
+                "batch, q_len, kv_len, heads and head_dim must all be >= 1)"
+            )
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(
             f"k batch and head_dim must match q's ({batch}, {head_dim}); got k.shape={k.shape}"
@@ -303,8 +306,18 @@ def _check_inputs(q, k, v, q_positions, kv_positions) -> None:
                               ("kv_positions", kv_positions, k.shape[1])):
         if pos.shape != (batch, length):
             raise ValueError(f"{name} must have shape {(batch, length)}; got {pos.shape}")
-        if not jnp.issubdtype(pos.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer array (int32); got {pos.dtype}")
+        if not jnp.issubdtype(pos.dtype, jnp.signedinteger):
+            # Unsigned positions would wrap to negative (padding) in the int32 cast.
+            raise ValueError(f"{name} must be a signed integer array (int32); got {pos.dtype}")
+
+
+def _check_sm_scale(sm_scale) -> None:
+    """sm_scale must be finite (a NaN/inf scale poisons every logit). A traced scale (only
+    `attention_reference` accepts one) is not checked."""
+    if sm_scale is None or isinstance(sm_scale, jax.core.Tracer):
+        return
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite number; got {sm_scale!r}")
 
 
 def flash_attention(
@@ -324,11 +337,12 @@ def flash_attention(
       q: `[batch, q_len, num_q_heads, head_dim]` float (bf16, f16 or f32).
       k, v: `[batch, kv_len, num_kv_heads, head_dim]`, q's dtype; `num_q_heads` a multiple of
         `num_kv_heads` (grouped-query attention; K/V are shared, never repeated in memory).
-      q_positions: `[batch, q_len]` int32 global token positions of the queries.
+      q_positions: `[batch, q_len]` int32 global token positions of the queries (any signed
+        integer dtype, cast to int32; unsigned dtypes are rejected).
       kv_positions: `[batch, kv_len]` int32 global token positions of the keys, any order
         (e.g. cached prefix then all-gathered zigzag chunks). Query at `p` sees keys at `<= p`.
         Negative positions mark padding on either side (values 0 .. 2**31 - 2 are positions).
-      sm_scale: logit scale; default `1 / sqrt(head_dim)`.
+      sm_scale: logit scale, a finite number; default `1 / sqrt(head_dim)`.
       block_sizes: tiling; default `BlockSizes.get_default(backend)`.
       interpret: run in Pallas interpret mode; default True exactly when jax's default backend
         is CPU.
@@ -340,12 +354,15 @@ def flash_attention(
       `lse = -inf`.
 
     Raises:
-      ValueError: on shapes, dtypes or head counts outside the ranges above.
+      ValueError: on shapes, dtypes or head counts outside the ranges above (every size >= 1,
+        num_kv_heads and num_q_heads included; positions of a signed integer dtype), or a
+        non-finite sm_scale.
 
     Source: FlashAttention-2 forward (arXiv 2307.08691, Alg. 1); tiling after
     `jax.experimental.pallas.ops.gpu.attention`.
     """
     _check_inputs(q, k, v, q_positions, kv_positions)
+    _check_sm_scale(sm_scale)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if block_sizes is None:
@@ -377,6 +394,7 @@ def attention_reference(
     """
     del block_sizes, interpret
     _check_inputs(q, k, v, q_positions, kv_positions)
+    _check_sm_scale(sm_scale)
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     group = q.shape[2] // k.shape[2]

@@ -7,7 +7,9 @@ divided by the pool's capacity (its GPU count), and smoothed over a sliding wind
     load(t) = sum_{arrivals in (t - window, t]} C_min * T(C_min, L_i, h_i) / (window * num_gpus)
 
 - load above `upper` for `hold_s` -> **split** one worker of degree 2C into two of degree C
-  (more, smaller workers: more parallel queues, less GPU time lost to small prompts);
+  (more, smaller workers: more parallel queues, less GPU time lost to small prompts), but only
+  when the split adds capacity for the current mix: `split_gain` (GPU-seconds at 2C over those
+  at C, from the cost model over the window's arrivals) at least `1 + min_split_gain`;
 - load below `lower` for `hold_s` -> **merge** two buddy workers of degree C into one 2C
   (fewer, faster workers: lower TTFT when queues are short);
 - load stable (within `stable_band` of the load when the long-request share was last reset)
@@ -30,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from serving.request import Request
-from serving.worker import WorkerSpec, WorkerStatus, are_buddies, merge_buddies, split_halves
+from serving.worker import WorkerStatus, are_buddies, merge_buddies, split_halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,7 @@ class ControllerConfig:
     stable_band: float = 0.15
     min_degree: int = 1
     max_degree: int = 8
+    min_split_gain: float = 0.03
 
     def __post_init__(self) -> None:
         if not 0 <= self.lower < self.upper:
@@ -84,7 +87,8 @@ class ReconfigurationController:
         self.num_gpus = num_gpus
         self.max_input_len = max_input_len
         self.decisions: list[dict] = []
-        self._arrivals: deque[tuple[float, float, int, bool]] = deque()  # (t, gpu_s, tokens, long)
+        # (t, gpu_s, tokens, long, cached tokens) per arrival in the window
+        self._arrivals: deque[tuple[float, float, int, bool, int]] = deque()
         self._gpu_s = 0.0
         self._tokens = 0
         self._long_tokens = 0
@@ -109,7 +113,7 @@ class ReconfigurationController:
         h = s.prefix_index.global_match_blocks(request.block_hashes, request.max_cacheable_blocks)
         gpu_s = c * s.cost_model.predict(c, request.input_len, h * request.block_size)
         is_long = request.input_len >= self.config.long_threshold
-        self._arrivals.append((now, gpu_s, request.input_len, is_long))
+        self._arrivals.append((now, gpu_s, request.input_len, is_long, h * request.block_size))
         self.longest = max(self.longest, request.input_len)
         self._gpu_s += gpu_s
         self._tokens += request.input_len
@@ -119,7 +123,7 @@ class ReconfigurationController:
         horizon = now - self.config.window_s
         arrivals = self._arrivals
         while arrivals and arrivals[0][0] <= horizon:
-            _, g, n, is_long = arrivals.popleft()
+            _, g, n, is_long, _ = arrivals.popleft()
             self._gpu_s -= g
             self._tokens -= n
             self._long_tokens -= n if is_long else 0
@@ -173,6 +177,26 @@ class ReconfigurationController:
         traffic = sum(scheduler.prefix_index.num_blocks(w.worker_id) for w in workers)
         return drain, traffic
 
+    def split_gain(self, scheduler, cp_degree: int, max_samples: int = 256) -> float:
+        """Capacity gained by serving the window's requests at C/2 instead of C.
+
+        `sum_i C * T(C, L_i, h_i) / sum_i (C/2) * T(C/2, L_i, h_i)` over (up to `max_samples`
+        evenly spaced) arrivals of the window: > 1 when the smaller degree spends fewer
+        GPU-seconds on this mix. Splitting only adds queues; it adds capacity only when this
+        ratio is above 1 (short prompts, where fixed costs dominate). 1.0 with no arrivals.
+        """
+        arrivals = self._arrivals
+        if not arrivals or cp_degree < 2:
+            return 1.0
+        step = max(1, len(arrivals) // max_samples)
+        predict, half = scheduler.cost_model.predict, cp_degree // 2
+        big = small = 0.0
+        for k in range(0, len(arrivals), step):
+            _, _, n, _, h = arrivals[k]
+            big += cp_degree * predict(cp_degree, n, h)
+            small += half * predict(half, n, h)
+        return big / small if small > 0 else 1.0
+
     def _split(self, scheduler, now):
         cands = [w for w in scheduler.workers.values()
                  if w.status is WorkerStatus.ACTIVE and w.cp_degree > self.config.min_degree]
@@ -183,6 +207,7 @@ class ReconfigurationController:
                        and w.spec.max_input_len >= target]
             if len(holders) == 1 and self.max_input_len(holders[0].cp_degree // 2) < target:
                 cands = [w for w in cands if w is not holders[0]]  # the last one stays whole
+        cands = [w for w in cands if self.split_gain(scheduler, w.cp_degree) >= 1 + self.config.min_split_gain]
         if not cands:
             return None
         w = min(cands, key=lambda w: (self._cost(scheduler, [w], now), w.spec.first_device))
@@ -221,13 +246,15 @@ def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
 
 def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
                         mean_prefill_seconds: Callable[[int], float], target_load: float,
-                        min_largest_degree: int = 1) -> list[int]:
+                        min_largest_degree: int = 1, tolerance: float = 0.03) -> list[int]:
     """The starting composition from historical demand (paper section 6).
 
     A composition's capacity is `sum_w 1 / mean_prefill_seconds(C_w)` requests per second
     (each worker serves one prefill at a time). Among compositions whose capacity times
     `target_load` covers `rate`, pick the one with the most large-degree workers (compared
-    largest degree first); when none has enough capacity, the one with the most capacity.
+    largest degree first). When none has enough, capacities within `tolerance` of the largest
+    count as equal (they are, within the cost model's error), and among those the same rule
+    picks: all-small-degree pools add queues, not capacity, when CP scales well.
 
     Args:
       num_gpus: devices to fill.
@@ -254,8 +281,8 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
     def capacity(comp):
         return sum(1.0 / t[c] for c in comp)
 
-    enough = [c for c in options if capacity(c) * target_load >= rate]
-    if not enough:
-        return max(options, key=capacity)
+    best = max(capacity(c) for c in options)
+    need = min(rate / target_load, best / (1 + tolerance))
+    enough = [c for c in options if capacity(c) >= need]
     ds = sorted(set(degrees), reverse=True)
     return max(enough, key=lambda comp: tuple(comp.count(d) for d in ds))

@@ -73,7 +73,9 @@ class PrefillCostModel:
 
         Raises:
           ValueError: when a degree has fewer than 4 distinct (input_len, cached_len) rows, or
-            on a row outside 0 <= cached_len <= input_len or with seconds <= 0.
+            on a row outside 0 <= cached_len <= input_len or with seconds <= 0; or, naming the
+            degree, when its fit comes out all zero or not finite (seconds so small or large,
+            e.g. 1e-300, that the relative-error system over- or underflows float64).
         """
         cp, L, h, y = (_column(table, k) for k in ("cp", "input_len", "cached_len", "seconds"))
         L, h, y = L.astype(np.float64), h.astype(np.float64), y.astype(np.float64)
@@ -92,14 +94,20 @@ class PrefillCostModel:
                 raise ValueError(f"cp_degree={c} has {distinct} distinct (input_len, cached_len) "
                                  f"rows; the fit needs at least {_MIN_DISTINCT_ROWS}")
             cols = [np.ones_like(Lc), Lc - hc, Lc * Lc - hc * hc] + ([Lc] if c > 1 else [])
-            A = np.stack(cols, axis=1) / yc[:, None]
-            scale = np.linalg.norm(A, axis=0)
+            with np.errstate(over="ignore"):  # absurd seconds: caught by the check below
+                A = np.stack(cols, axis=1) / yc[:, None]
+                scale = np.linalg.norm(A, axis=0)
             scale[scale == 0] = 1.0
             if nonnegative:
                 x, _ = nnls(A / scale, np.ones_like(yc), maxiter=50 * A.shape[1])
             else:
                 x = np.linalg.lstsq(A / scale, np.ones_like(yc), rcond=None)[0]
             x = x / scale
+            if not np.all(np.isfinite(x)) or not np.any(x):
+                raise ValueError(
+                    f"cp_degree={c}: the fit gave coefficients {x.tolist()} (all zero or not "
+                    f"finite), which predict no time; its seconds span [{yc.min():g}, "
+                    f"{yc.max():g}], outside what the relative-error fit handles in float64")
             coef[c] = tuple(float(v) for v in x) + ((0.0,) if c == 1 else ())
             rel = np.abs(A @ x - 1.0)  # |pred - y| / y
             err[c] = (float(rel.mean()), float(rel.max()))
@@ -119,15 +127,15 @@ class PrefillCostModel:
 
         Raises:
           ValueError: unknown cp_degree (naming the fitted degrees), or unless
-            0 <= cached_len <= input_len.
+            0 <= cached_len <= input_len and input_len >= 1 token.
         """
         try:
             a, b, g, d = self._coef[cp_degree]
         except KeyError:
             raise self._unknown(cp_degree) from None
-        if not 0 <= cached_len <= input_len:
-            raise ValueError(f"need 0 <= cached_len <= input_len, got cached_len={cached_len}, "
-                             f"input_len={input_len}")
+        if not (0 <= cached_len <= input_len and input_len >= 1):
+            raise ValueError(f"need input_len >= 1 and 0 <= cached_len <= input_len, got "
+                             f"cached_len={cached_len}, input_len={input_len}")
         return a + b * (input_len - cached_len) + g * (input_len * input_len
                                                        - cached_len * cached_len) + d * input_len
 
@@ -143,8 +151,9 @@ class PrefillCostModel:
         h = np.asarray(cached_len, dtype=np.float64)
         if L.shape != h.shape:
             raise ValueError(f"input_len shape {L.shape} != cached_len shape {h.shape}")
-        if np.any((h < 0) | (h > L)):
-            raise ValueError("need 0 <= cached_len <= input_len for every element")
+        if np.any((h < 0) | (h > L) | (L < 1)):
+            raise ValueError("need input_len >= 1 and 0 <= cached_len <= input_len for every "
+                             "element")
         a, b, g, d = self._coef[cp_degree]
         return a + b * (L - h) + g * (L * L - h * h) + d * L
 

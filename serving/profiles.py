@@ -43,6 +43,9 @@ import numpy as np
 from serving.specs import GPUS, MODELS, GpuSpec, ModelSpec, resolve_spec  # noqa: F401 (GPUS, MODELS re-exported)
 
 _COLUMNS = ("cp", "input_len", "cached_len", "seconds")
+# Integer columns pass through float64 in `ProfileTable`; beyond 2^53 it no longer holds every
+# integer (and int64 overflows at 2^63), so larger magnitudes are rejected.
+MAX_INT_MAGNITUDE = 2**53
 DEFAULT_FIXED_OVERHEAD_S = 5e-3
 DEFAULT_CACHED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.9)
 DEFAULT_INPUT_LENS = tuple(int(x) for x in np.unique(np.round(np.geomspace(128, 262144, 23))))
@@ -64,7 +67,8 @@ class ProfileTable:
 
     Raises:
       ValueError: naming the column and the first bad row index when a column is not 1-D, lengths
-        differ, values are not integral/finite, or a value is out of the range above.
+        differ, values are not integral/finite, an integer column exceeds 2^53 in magnitude, or a
+        value is out of the range above.
     """
 
     cp: np.ndarray
@@ -86,6 +90,10 @@ class ProfileTable:
                 if bad.size:
                     raise ValueError(
                         f"ProfileTable.{name}[{bad[0]}] = {a[bad[0]]} is not an integer")
+                bad = np.flatnonzero(np.abs(a) > MAX_INT_MAGNITUDE)
+                if bad.size:
+                    raise ValueError(f"ProfileTable.{name}[{bad[0]}] = {a[bad[0]]} must be in "
+                                     f"[-2^53, 2^53]")
                 a = a.astype(np.int64)
             cols[name] = a
         n = {len(v) for v in cols.values()}
@@ -126,28 +134,48 @@ class ProfileTable:
 
 
 def _parse_int(text: str, where: str) -> int:
+    """An integer written as such ("1000") or as an integral float ("1e3"), |value| <= 2^53."""
+    shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
     try:
-        return int(text)
-    except ValueError:
+        v = int(text)
+    except ValueError:  # also a string past sys.get_int_max_str_digits() digits
         try:
             f = float(text)
         except ValueError:
             f = math.nan
+        if math.isinf(f):  # "1e400", or more digits than int() converts
+            raise ValueError(f"{where}: {shown} is out of range; integers must be in "
+                             f"[-2^53, 2^53]") from None
         if not (math.isfinite(f) and f.is_integer()):
-            raise ValueError(f"{where}: {text!r} is not an integer") from None
-        return int(f)
+            raise ValueError(f"{where}: {shown} is not an integer") from None
+        v = int(f)
+    if abs(v) > MAX_INT_MAGNITUDE:
+        raise ValueError(f"{where}: {shown} is out of range; integers must be in [-2^53, 2^53]")
+    return v
 
 
 def read_profile_csv(path: str | os.PathLike) -> ProfileTable:
-    """Reads a profile CSV (header naming at least cp,input_len,cached_len,seconds; extra columns
-    ignored; fully blank lines ignored).
+    """Reads a profile CSV (UTF-8, a leading byte-order mark accepted; header naming at least
+    cp,input_len,cached_len,seconds, each once; extra columns ignored; fully blank lines ignored).
+
+    Integer columns accept "1000" or an integral float such as "1e3", at most 2^53 in magnitude
+    (see `MAX_INT_MAGNITUDE`); seconds must be finite and > 0.
 
     Raises:
-      ValueError: `<path>:<line>: column '<name>': ...` for a missing column, a wrong field count,
-        an unparsable value or one out of range (ranges as in `ProfileTable`); also for no rows.
+      ValueError: `<path>:<line>: column '<name>': ...` for a missing or repeated column, a wrong
+        field count, an unparsable value or one out of range (ranges as in `ProfileTable`); also
+        for no rows, or a file that is not UTF-8.
     """
+    try:
+        return _read_profile_csv(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start} of a "
+                         f"{len(e.object)}-byte read)") from None
+
+
+def _read_profile_csv(path: str | os.PathLike) -> ProfileTable:
     cols: dict[str, list] = {c: [] for c in _COLUMNS}
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
@@ -157,6 +185,11 @@ def read_profile_csv(path: str | os.PathLike) -> ProfileTable:
         if missing:
             raise ValueError(f"{path}:1: header lacks column(s) {missing}; "
                              f"required: {','.join(_COLUMNS)}")
+        repeated = [c for c in _COLUMNS if header.count(c) > 1]
+        if repeated:
+            col = repeated[0]
+            raise ValueError(f"{path}:1: column '{col}' appears {header.count(col)} times in the "
+                             f"header; each of {','.join(_COLUMNS)} must appear once")
         idx = {c: header.index(c) for c in _COLUMNS}
         for row in reader:
             line = reader.line_num

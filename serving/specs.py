@@ -134,6 +134,8 @@ MODELS: dict[str, ModelSpec] = {
         moe_intermediate=768, source="Qwen/Qwen3-30B-A3B config.json (every layer MoE)"),
     "qwen3-8b": ModelSpec("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936,
                           source="Qwen/Qwen3-8B config.json"),
+    "qwen3-32b": ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936,
+                           source="Qwen/Qwen3-32B config.json (65.5 GB in bf16: fits an H20)"),
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336,
                         src="meta-llama/Meta-Llama-3-8B config.json"),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672,

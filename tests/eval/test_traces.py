@@ -218,6 +218,145 @@ def test_leval_malformed_rows(tmp_path):
     assert sorted(r.request_id for r in trace) == ["leval:0", "leval:3"]
 
 
+# ----------------------------------------------------------------------------- robustness
+
+AZ_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+LV_HEAD = "task,doc_id,doc_tokens,instr_tokens,input_tokens,ref_output_tokens\n"
+
+
+def _mc(ts, n=600):
+    return json.dumps({**GOOD, "timestamp": ts, "input_length": n})
+
+
+def test_blank_lines_are_not_data(tmp_path):
+    # Blank, whitespace-only and trailing blank lines: skipped, not malformed, no row index.
+    path = tmp_path / "b.jsonl"
+    path.write_text("\n" + _mc(0) + "\n\n   \t\n" + _mc(2000) + "\r\n \n" + _mc(1000) + "\n\n\n")
+    for skip in (False, True):
+        trace = load_mooncake(path, skip_malformed=skip)
+        assert (trace.skipped, trace.skipped_lines) == (0, ())
+        assert [(r.request_id, r.arrival_time) for r in trace] == [
+            ("mooncake-b:0", 0.0), ("mooncake-b:2", 1.0), ("mooncake-b:1", 2.0)]
+    # A malformed line among blanks keeps its own 1-based line number.
+    path.write_text(_mc(0) + "\n\n{oops\n\n" + _mc(5) + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_mooncake(path)
+    assert (e.value.line, e.value.field) == (3, "json")
+    trace = load_mooncake(path, skip_malformed=True)
+    assert trace.skipped_lines == (3,) and [r.request_id for r in trace] == ["mooncake-b:0",
+                                                                              "mooncake-b:2"]
+    az = tmp_path / "a.csv"
+    az.write_text("\n" + AZ_HEAD + "2023-11-16 18:17:03,100,10\n\n  \n"
+                  "2023-11-16 18:17:04.5,200,5\n\n\n")
+    trace = load_azure(az)
+    assert trace.skipped == 0
+    assert [(r.request_id, r.arrival_time, r.input_len) for r in trace] == [
+        ("azure-a:0", 0.0, 100), ("azure-a:1", 1.5, 200)]
+    lv = tmp_path / "l.csv"
+    lv.write_text(LV_HEAD + "qa,0,5,5,10,1\n \n\nqa,0,5,7,12,1\n\n")
+    trace = load_leval(lv, rate=1.0, seed=0)
+    assert trace.skipped == 0 and sorted(r.input_len for r in trace) == [10, 12]
+
+
+def test_byte_order_mark_accepted(tmp_path):
+    text = {"m.jsonl": _mc(0) + "\n" + _mc(1000) + "\n",
+            "a.csv": AZ_HEAD + "2023-11-16 18:17:03,100,10\n2023-11-16 18:17:05,20,1\n",
+            "l.csv": LV_HEAD + "qa,0,5,5,10,1\nqa,1,3,4,7,2\n"}
+    loads = {"m.jsonl": load_mooncake, "a.csv": load_azure,
+             "l.csv": lambda p: load_leval(p, rate=2.0, seed=1)}
+    (tmp_path / "bom").mkdir()
+    for name, body in text.items():
+        plain, bom = tmp_path / name, tmp_path / "bom" / name  # same name: same content ids
+        plain.write_text(body, encoding="utf-8")
+        bom.write_text(body, encoding="utf-8-sig")
+        assert bom.read_bytes()[:3] == b"\xef\xbb\xbf"
+        a, b = loads[name](plain), loads[name](bom)
+        assert b.skipped == 0
+        assert ([(r.arrival_time, r.input_len, r.output_len, r.block_hashes) for r in a]
+                == [(r.arrival_time, r.input_len, r.output_len, r.block_hashes) for r in b])
+
+
+def test_invalid_utf8_is_a_row_error(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes((_mc(0) + "\n").encode() + b'{"timestamp": 1, "x": "\xff\xfe"}\n'
+                     + (_mc(7) + "\n").encode())
+    with pytest.raises(TraceFormatError) as e:
+        load_mooncake(path)
+    assert (e.value.path, e.value.line, e.value.field) == (str(path), 2, "encoding")
+    assert "line 2" in str(e.value) and "UTF-8" in str(e.value)
+    trace = load_mooncake(path, skip_malformed=True)
+    assert (trace.skipped_lines, [r.request_id for r in trace]) == ((2,), ["mooncake-u:0",
+                                                                           "mooncake-u:2"])
+    az = tmp_path / "a.csv"
+    az.write_bytes(AZ_HEAD.encode() + b"2023-11-16 18:17:03,100,10\n"
+                   b"2023-11-16 18:17:04,\xc3\x28,1\n2023-11-16 18:17:05,30,1\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_azure(az)
+    assert (e.value.line, e.value.field) == (3, "encoding")
+    trace = load_azure(az, skip_malformed=True)
+    assert trace.skipped_lines == (3,) and [r.input_len for r in trace] == [100, 30]
+    head = tmp_path / "h.csv"
+    head.write_bytes(b"TIMESTAMP,Context\xffTokens,GeneratedTokens\n2023-11-16 18:17:03,1,1\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_azure(head, skip_malformed=True)  # a bad header is not skippable
+    assert (e.value.line, e.value.field) == (1, "encoding")
+
+
+def test_timestamp_past_float_range_is_a_row_error(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(_mc(0) + "\n" + _mc(10**400) + "\n" + _mc(3000) + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_mooncake(path)
+    assert (e.value.line, e.value.field) == (2, "timestamp")
+    assert len(str(e.value)) < 300  # the 401-digit value is summarised, not printed
+    trace = load_mooncake(path, skip_malformed=True)
+    assert trace.skipped_lines == (2,) and [r.arrival_time for r in trace] == [0.0, 3.0]
+
+
+@pytest.mark.parametrize("row,field", [
+    ("2023-11-16 18:17:04,2147483648,1", "ContextTokens"),    # 2^31
+    ("2023-11-16 18:17:04,5000000000,1", "ContextTokens"),
+    ("2023-11-16 18:17:04," + "9" * 6000 + ",1", "ContextTokens"),
+    ("2023-11-16 18:17:04,10,2147483648", "GeneratedTokens"),
+])
+def test_azure_absurd_token_counts_are_row_errors(tmp_path, row, field):
+    path = tmp_path / "a.csv"
+    path.write_text(AZ_HEAD + "2023-11-16 18:17:03,100,10\n" + row + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_azure(path)
+    assert (e.value.line, e.value.field) == (3, field) and len(str(e.value)) < 300
+    trace = load_azure(path, skip_malformed=True)
+    assert trace.skipped_lines == (3,) and [r.input_len for r in trace] == [100]
+
+
+@pytest.mark.parametrize("row,field", [("qa,1,2147483648,1,2147483649,1", "doc_tokens"),
+                                       ("qa,1,1,2147483648,2147483649,1", "instr_tokens")])
+def test_leval_absurd_token_counts_are_row_errors(tmp_path, row, field):
+    path = tmp_path / "l.csv"
+    path.write_text(LV_HEAD + "qa,0,5,5,10,1\n" + row + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_leval(path, rate=1.0, seed=0)
+    assert (e.value.line, e.value.field) == (3, field)
+    trace = load_leval(path, rate=1.0, seed=0, skip_malformed=True)
+    assert trace.skipped_lines == (3,) and [r.input_len for r in trace] == [10]
+
+
+def test_duplicate_csv_column_is_rejected(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,ContextTokens\n"
+                    "2023-11-16 18:17:03,5,1,7\n")
+    for skip in (False, True):
+        with pytest.raises(TraceFormatError) as e:
+            load_azure(path, skip_malformed=skip)
+        assert (e.value.line, e.value.field) == (1, "ContextTokens")
+        assert "duplicated" in str(e.value)
+    lv = tmp_path / "l.csv"
+    lv.write_text(LV_HEAD.strip() + ",doc_id\nqa,0,5,5,10,1,0\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_leval(lv, rate=1.0, seed=0)
+    assert e.value.field == "doc_id"
+
+
 # ----------------------------------------------------------------------------- re-blocking
 
 

@@ -146,3 +146,46 @@ def test_tool_agent_rejects_bad_arguments():
 def test_tool_agent_config_validation(kw, field):
     with pytest.raises(ValueError, match=field):
         ToolAgentConfig(**kw)
+
+
+def test_retime_accepts_plain_lists_of_times():
+    reqs = [req(str(i), 100 + 5 * i) for i in range(5)]
+    times = [16.0, 10.0, 11.0, 13.0]  # unsorted; gaps 1, 2, 3 once sorted
+    want = [0.0, 1.0, 3.0, 6.0, 7.0]   # cycled after m - 1 = 3 gaps
+    for src in (times, tuple(times), np.asarray(times), (t for t in times),
+                [req(f"s{i}", t) for i, t in enumerate(times)]):
+        assert [r.arrival_time for r in retime(reqs, src)] == want
+    assert [r.arrival_time for r in retime(reqs, [1, 3])] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    with pytest.raises(ValueError, match="arrivals_from"):
+        retime(reqs, [1.0])
+    with pytest.raises(ValueError, match="arrivals_from"):
+        retime(reqs, [])
+    with pytest.raises(ValueError, match="not a mix"):
+        retime(reqs, [req("s", 1.0), 2.0])
+    with pytest.raises(ValueError, match="arrivals_from"):
+        retime(reqs, ["soon", "later"])
+
+
+def test_scale_to_rate_undefined_native_rate():
+    for reqs in ([req("a", 5.0)], [], [req("a", 3.0)] * 3):
+        with pytest.raises(ValueError, match="native rate"):
+            scale_to_rate(reqs, 1.0)
+
+
+def test_tool_agent_size_guards():
+    with pytest.raises(ValueError, match=r"rate must be in \(0, 10000\]"):
+        tool_agent_workload(duration_s=1e-3, rate=1e4 * (1 + 1e-12))
+    with pytest.raises(ValueError, match="rate"):
+        tool_agent_workload(duration_s=1.0, rate=1e30)
+    with pytest.raises(ValueError, match=r"duration_s \* rate"):
+        tool_agent_workload(duration_s=1e7 / 6.6 * 1.001, rate=6.6)
+    with pytest.raises(ValueError, match="warmup_s"):
+        tool_agent_workload(duration_s=1.0, rate=6.6, config=ToolAgentConfig(warmup_s=1e9))
+    with pytest.raises(ValueError, match="block_size"):
+        tool_agent_workload(duration_s=10.0, block_size=True)
+    # The largest allowed rate works. Without warm-up, sessions start at 1e4 / E[calls] = 1e4 /
+    # (1 - 0.5^16) / 0.5 ~ 5,000 per s, so ~Poisson(50) starts in 10 ms; a follow-up call comes
+    # >= output / 50 tok/s >= 20 ms later, so only first calls (".0") fall in [0, 0.01).
+    reqs = tool_agent_workload(duration_s=0.01, rate=1e4, config=ToolAgentConfig(warmup_s=0.0))
+    assert 50 - 4 * 50**0.5 <= len(reqs) <= 50 + 4 * 50**0.5
+    assert all(r.request_id.endswith(".0") and 0.0 <= r.arrival_time < 0.01 for r in reqs)

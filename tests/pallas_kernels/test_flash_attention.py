@@ -277,6 +277,34 @@ class FlashAttentionApiTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "backend"):
             BlockSizes.get_default("tpu")
 
+    def test_zero_heads_rejected_naming_the_field(self):
+        pos = jnp.zeros((1, 16), jnp.int32)
+        for name, q_heads, kv_heads in (("num_kv_heads", 4, 0), ("num_q_heads", 0, 2)):
+            q = jnp.ones((1, 16, q_heads, 16))
+            k = jnp.ones((1, 16, kv_heads, 16))
+            for fn in (flash_attention, attention_reference):
+                with self.assertRaisesRegex(ValueError, f"{name} must be >= 1; got 0"):
+                    fn(q, k, k, pos, pos)
+
+    def test_unsigned_positions_rejected(self):
+        # uint32 2**32 - 1 would become -1 (padding) in the int32 cast and silently vanish.
+        q, k, v = _qkv(83, q_len=16, kv_len=16, batch=1)
+        pos = jnp.arange(16, dtype=jnp.int32)[None]
+        big = jnp.full((1, 16), 2**32 - 1, jnp.uint32)
+        for fn in (flash_attention, attention_reference):
+            with self.assertRaisesRegex(ValueError, "kv_positions must be a signed integer"):
+                fn(q, k, v, pos, big)
+            with self.assertRaisesRegex(ValueError, "q_positions must be a signed integer"):
+                fn(q, k, v, pos.astype(jnp.uint8), pos)
+
+    def test_non_finite_sm_scale_rejected(self):
+        q, k, v = _qkv(84, q_len=16, kv_len=16, batch=1)
+        pos = jnp.arange(16, dtype=jnp.int32)[None]
+        for scale in (float("nan"), float("inf"), -float("inf"), np.float32("nan")):
+            for fn in (flash_attention, attention_reference):
+                with self.assertRaisesRegex(ValueError, "sm_scale must be a finite number"):
+                    fn(q, k, v, pos, pos, sm_scale=scale)
+
     def test_interpret_chosen_automatically_on_cpu(self):
         if jax.default_backend() != "cpu":
             self.skipTest("checks the CPU default")

@@ -113,6 +113,12 @@ def test_errors():
         model.predict(1, 100, -1)
     with pytest.raises(ValueError, match="cached_len"):
         model.predict_many(2, np.array([10, 20]), np.array([0, 21]))
+    for L in (0, -5):  # no prompt: an error, not a prediction of a + 0 + 0 + 0 seconds
+        with pytest.raises(ValueError, match="input_len >= 1"):
+            model.predict(2, L, 0 if L == 0 else L)
+        with pytest.raises(ValueError, match="input_len >= 1"):
+            model.predict_many(2, np.array([10, L]), np.array([0, 0 if L == 0 else L]))
+    assert model.predict(2, 1, 0) == pytest.approx(_formula(model._coef[2], 1.0, 0.0))
     few = {"cp": np.array([2] * 6), "input_len": np.array([100, 100, 200, 200, 300, 300]),
            "cached_len": np.zeros(6, np.int64), "seconds": np.array([1., 1.1, 2., 2.1, 3., 3.1])}
     with pytest.raises(ValueError, match=r"cp_degree=2 has 3 distinct"):
@@ -134,3 +140,20 @@ def test_fit_on_analytic_profile_is_tight_for_long_prompts():
         rel = np.abs(model.predict_many(c, s.input_len, s.cached_len) - s.seconds) / s.seconds
         assert rel[long].max() < 0.15
         assert model.fit_error()[c][0] == pytest.approx(rel.mean(), rel=1e-9)
+
+
+def test_fit_that_collapses_to_zero_names_the_degree():
+    # seconds = 1e-300: rows / seconds overflow float64, and the fit would come out all zero (a
+    # model predicting 0 s for every prefill); it must be an error naming the degree instead.
+    rows = {"cp": np.array([1] * 4 + [2] * 4), "input_len": np.array([1000, 2000, 4000, 4000] * 2),
+            "cached_len": np.array([0, 0, 0, 2000] * 2),
+            "seconds": np.array([0.1, 0.25, 0.7, 0.4] + [1e-300] * 4)}
+    for nonnegative in (True, False):
+        with pytest.raises(ValueError, match=r"cp_degree=2: the fit gave .*all zero"):
+            PrefillCostModel.fit(rows, nonnegative=nonnegative)
+    # The healthy degree alone still fits: every row predicted within 10 %.
+    one = {k: v[:4] for k, v in rows.items()}
+    model = PrefillCostModel.fit(one)
+    pred = model.predict_many(1, one["input_len"], one["cached_len"])
+    np.testing.assert_allclose(pred, one["seconds"], rtol=0.1)
+    assert model.fit_error()[1][1] == pytest.approx(np.max(np.abs(pred / one["seconds"] - 1)))

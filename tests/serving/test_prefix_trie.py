@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
-import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 

@@ -173,3 +173,55 @@ def test_unknown_names_and_bad_arguments():
         analytic_prefill_seconds("h20", "tiny", 1, 10, 0, "pp")
     with pytest.raises(ValueError, match="cached_fractions"):
         generate_profile("h20", "tiny", (1,), (128,), (1.0,))
+
+
+def test_csv_with_byte_order_mark_reads_like_without(tmp_path):
+    table = generate_profile("h20", "tiny", (1, 2), (128, 1000), (0.0, 0.5))
+    plain = tmp_path / "p.csv"
+    write_profile_csv(table, plain)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    back = read_profile_csv(bom)
+    for col in ("cp", "input_len", "cached_len", "seconds"):
+        np.testing.assert_array_equal(getattr(back, col), getattr(table, col))
+
+
+@pytest.mark.parametrize("row, column", [
+    ("2," + "9" * 30 + ",0,0.1", "input_len"),        # past int64
+    ("2,1e300,0,0.1", "input_len"),                   # integral float past int64
+    ("2,1000," + "9" * 5000 + ",0.1", "cached_len"),  # past Python's int-string digit limit
+    (f"{2**62},1000,0,0.1", "cp"),                    # a power of two, but past 2^53
+    ("2,9007199254740993,0,0.1", "input_len"),        # 2^53 + 1: float64 cannot hold it
+])
+def test_csv_integers_out_of_range_name_line_and_column(tmp_path, row, column):
+    path = tmp_path / "big.csv"
+    path.write_text("cp,input_len,cached_len,seconds\n2,100,0,0.1\n" + row + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: column '{column}'.*2\^53") as e:
+        read_profile_csv(path)
+    assert len(str(e.value)) < 300 + len(str(path))  # long values are cut in the message
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-inf", "1e400", "0", "-1e-9"])
+def test_csv_seconds_must_be_finite_and_positive(tmp_path, seconds):
+    path = tmp_path / "s.csv"
+    path.write_text(f"cp,input_len,cached_len,seconds\n2,100,0,{seconds}\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: column 'seconds'.*finite and > 0"):
+        read_profile_csv(path)
+
+
+def test_csv_repeated_column_and_bad_encoding(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("cp,input_len,cached_len,seconds,seconds\n2,100,0,0.1,0.2\n")
+    with pytest.raises(ValueError, match=rf"{path}:1: column 'seconds' appears 2 times"):
+        read_profile_csv(path)
+    path.write_bytes(b"cp,input_len,cached_len,seconds\n2,100,0,0.1\xff\n")
+    with pytest.raises(ValueError, match=rf"{path}: not valid UTF-8"):
+        read_profile_csv(path)
+
+
+def test_profile_table_rejects_integers_float64_cannot_hold():
+    ok = dict(cp=[1, 2], input_len=[10, 20], cached_len=[0, 5], seconds=[0.1, 0.2])
+    for value in ([10, 2.0**63], [10, 1e300], [10, 2**53 + 2]):
+        with pytest.raises(ValueError, match=r"input_len\[1\].*2\^53"):
+            ProfileTable(**{**ok, "input_len": value})
+    assert ProfileTable(**{**ok, "input_len": [10, 2**53]}).input_len[1] == 2**53
