@@ -187,15 +187,20 @@ def mixed_degrees(num_gpus: int, degrees: Sequence[int]) -> list[int]:
     return out
 
 
-def _vertumnus(pool: PoolConfig, controller: bool = True, cache_manager: bool = True,
-               name: str = "vertumnus") -> System:
+def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: bool = True,
+                     name: str = "vertumnus", beta: float = 1.0, lam: float = 1.0,
+                     controller_config: ControllerConfig | None = None,
+                     cache_config: CacheManagerConfig | None = None) -> System:
     """The full system: placement-cost router, split/merge controller and prefix-cache manager.
 
     The initial composition comes from the pool's historical demand (`initial_composition`,
     target load = the controller's upper threshold), or `mixed_degrees` when none is known.
+    `beta`, `lam` and the two configs are the knobs of the sensitivity sweeps (the controller's
+    degree range is always the pool's `degrees`).
     """
     degrees = sorted(set(pool.degrees))
-    ctl_cfg = ControllerConfig(min_degree=degrees[0], max_degree=degrees[-1])
+    ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
+                                  min_degree=degrees[0], max_degree=degrees[-1])
     if pool.demand is not None:
         d = pool.demand
         # Keep at least one worker able to hold the longest prompt seen.
@@ -208,8 +213,8 @@ def _vertumnus(pool: PoolConfig, controller: bool = True, cache_manager: bool = 
     if controller:
         setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
     if cache_manager:
-        setup.append(PrefixCacheManager(CacheManagerConfig()).attach)
-    return System(name, pool.workers(comp), VertumnusRouter(), setup=setup,
+        setup.append(PrefixCacheManager(cache_config or CacheManagerConfig()).attach)
+    return System(name, pool.workers(comp), VertumnusRouter(beta=beta, lam=lam), setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 
@@ -227,10 +232,10 @@ def _homogeneous4(name: str, router_factory: Callable[[PoolConfig], Router],
     return factory
 
 
-register_system("vertumnus", _vertumnus)
-register_system("vertumnus-static", lambda pool: _vertumnus(
+register_system("vertumnus", vertumnus_system)
+register_system("vertumnus-static", lambda pool: vertumnus_system(
     pool, controller=False, cache_manager=False, name="vertumnus-static"))
-register_system("vertumnus-nocache", lambda pool: _vertumnus(
+register_system("vertumnus-nocache", lambda pool: vertumnus_system(
     pool, cache_manager=False, name="vertumnus-nocache"))
 register_system("static-threshold", _static_threshold)
 register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))

@@ -246,15 +246,13 @@ def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
 
 def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
                         mean_prefill_seconds: Callable[[int], float], target_load: float,
-                        min_largest_degree: int = 1, tolerance: float = 0.03) -> list[int]:
+                        min_largest_degree: int = 1) -> list[int]:
     """The starting composition from historical demand (paper section 6).
 
     A composition's capacity is `sum_w 1 / mean_prefill_seconds(C_w)` requests per second
     (each worker serves one prefill at a time). Among compositions whose capacity times
     `target_load` covers `rate`, pick the one with the most large-degree workers (compared
-    largest degree first). When none has enough, capacities within `tolerance` of the largest
-    count as equal (they are, within the cost model's error), and among those the same rule
-    picks: all-small-degree pools add queues, not capacity, when CP scales well.
+    largest degree first); when none has enough, the one with the most capacity.
 
     Args:
       num_gpus: devices to fill.
@@ -281,8 +279,8 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
     def capacity(comp):
         return sum(1.0 / t[c] for c in comp)
 
-    best = max(capacity(c) for c in options)
-    need = min(rate / target_load, best / (1 + tolerance))
-    enough = [c for c in options if capacity(c) >= need]
+    enough = [c for c in options if capacity(c) * target_load >= rate]
+    if not enough:  # overloaded: every bit of capacity counts
+        return max(options, key=lambda c: (capacity(c), tuple(sorted(c, reverse=True))))
     ds = sorted(set(degrees), reverse=True)
     return max(enough, key=lambda comp: tuple(comp.count(d) for d in ds))

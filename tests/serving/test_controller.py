@@ -167,3 +167,30 @@ def test_controller_never_splits_the_last_worker_that_holds_the_longest_prompt()
     assert old == [1] and [w.cp_degree for w in new] == [1, 1]  # a CP-2 is split, not the CP-4
     ctl.longest = 1500  # once no prompt needs the CP-4, it is the cheapest to split
     assert ctl._split(s, 1.0)[1] == [0]
+
+
+def test_split_gain_from_the_cost_model():
+    from serving.scheduler import Scheduler
+
+    class PerfectCP:  # T = n / C: CP scales perfectly, splitting adds no capacity
+        def predict(self, c, n, h):
+            return (n - h) / c / 1000
+
+    class B:
+        def start_prefill(self, *a):
+            pass
+
+    for cost, want in ((PerfectCP(), 1.0), (LinearCost(), None)):
+        s = Scheduler(layout_workers([4, 4], 100, 100_000), cost, LeastWorkRouter(), B())
+        ctl = ReconfigurationController(ControllerConfig(), 8, lambda c: 100_000)
+        ctl.attach(s)
+        lengths = [300, 2000, 9000]
+        for i, n in enumerate(lengths):
+            ctl.observe(Request(i, 0.0, n, 1, chain_block_hashes(range(num_blocks(n, 512))), 512), 0.0)
+        gain = ctl.split_gain(s, 4)
+        if want is not None:
+            assert gain == pytest.approx(want)
+        else:  # LinearCost: C*T = 0.02*C + 5e-5*n, so 4 -> 2 saves 0.04 s per request
+            big = sum(4 * cost.predict(4, n, 0) for n in lengths)
+            small = sum(2 * cost.predict(2, n, 0) for n in lengths)
+            assert gain == pytest.approx(big / small) and gain > 1

@@ -1,0 +1,177 @@
+"""The paper's comparison on public traces: `python -m eval.paper`.
+
+Runs, in the simulator, every system on the three workloads at increasing request rates, for two
+(model, degrees) setups, plus the reconfiguration experiment (time-varying demand), the ablation
+of the prefix-cache manager and sensitivity sweeps of the router and controller knobs. Writes
+`<output_dir>/paper_results.json`, `<output_dir>/tables.md` and one plot per (setup, workload);
+`eval/RESULTS.md` discusses them. Takes a few minutes on one core (`--quick` for a smoke run).
+
+Workloads: `production` = Mooncake conversation trace, `leval` = Mooncake synthetic trace
+(ShareGPT + L-Eval + LooGLE, the long-context stand-in), `toolagent` = the built-in generator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+
+from eval import report
+from eval.experiment import ReplayConfig, ReplayEnv, run_sweep, simulate_system
+from eval.metrics import summarize
+from eval.scenarios import Phase, phase_of, phased_workload
+from eval.slo import SloSpec, assign_slos
+from eval.systems import register_system, vertumnus_system
+from eval.traces import load_trace
+from eval.workloads import tool_agent_workload
+from serving.controller import ControllerConfig
+
+_TRACES = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+_TRACES_DIR = flags.DEFINE_string("traces_dir", str(_TRACES), "Folder of the public traces.")
+_OUT = flags.DEFINE_string("output_dir", "eval/results", "Where results and plots go.")
+_PARTS = flags.DEFINE_list("parts", ["sweep", "reconfig", "sensitivity"], "What to run.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short workloads and two loads (smoke run).")
+
+BASELINES_24 = ("homogeneous-cp2", "homogeneous-cp4", "static-threshold", "vllm-tp4",
+                "sglang-cp4", "dynamo-cp4", "mooncake-cp4")
+BASELINES_48 = ("homogeneous-cp4", "homogeneous-cp8", "static-threshold", "sglang-cp4",
+                "dynamo-cp4", "mooncake-cp4")
+SETUPS = (("qwen3-30b-a3b", (2, 4), BASELINES_24), ("qwen3-32b", (4, 8), BASELINES_48))
+LOADS = {"production": (0.6, 0.9, 1.1, 1.3), "leval": (0.6, 0.9, 1.2, 1.5),
+         "toolagent": (1.0, 1.5, 2.0, 2.5)}
+OURS = ("vertumnus", "vertumnus-nocache")
+
+
+def workloads(quick: bool) -> dict:
+    d = pathlib.Path(_TRACES_DIR.value)
+    out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
+           "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
+           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0)}
+    if quick:
+        out = {k: v[:1500] for k, v in out.items()}
+    return out
+
+
+def headline(results: list[dict]) -> dict:
+    """Vertumnus vs the strongest baseline (lowest mean TTFT) at the highest load."""
+    top = max(r["request_rate"] for r in results)
+    at = [r for r in results if r["request_rate"] == top and r["mean_ttft_ms"] is not None]
+    ours = next(r for r in at if r["system"] == "vertumnus")
+    base = min((r for r in at if r["system"] not in OURS), key=lambda r: r["mean_ttft_ms"])
+    return {"rate": top, "baseline": base["system"],
+            "mean_ttft_reduction": 1 - ours["mean_ttft_ms"] / base["mean_ttft_ms"],
+            "p90_ttft_reduction": 1 - ours["p90_ttft_ms"] / base["p90_ttft_ms"],
+            "slo_gain_points": 100 * (ours["token_weighted_slo_attainment"]
+                                      - base["token_weighted_slo_attainment"]),
+            "vertumnus_mean_ttft_ms": ours["mean_ttft_ms"], "baseline_mean_ttft_ms": base["mean_ttft_ms"]}
+
+
+def part_sweep(wls: dict, quick: bool, out_dir: str) -> tuple[dict, list[str]]:
+    data, md = {}, []
+    for model, degrees, baselines in SETUPS:
+        for wname, reqs in wls.items():
+            loads = LOADS[wname][1::2] if quick else LOADS[wname]
+            cfg = ReplayConfig(model=model, degrees=degrees, systems=baselines + OURS,
+                               load_factors=loads)
+            t0 = time.perf_counter()
+            results, _ = run_sweep(reqs, wname, cfg)
+            key = f"{wname}/{model}/cp{'-'.join(map(str, degrees))}"
+            head = headline(results)
+            data[key] = {"results": results, "headline": head}
+            title = f"{wname}: 40 x H20, {model}, degrees {degrees}"
+            report.plot_vs_rate(results, os.path.join(out_dir, key.replace("/", "__") + ".png"), title)
+            md += [f"### {title}", "", report.markdown_table(results), "",
+                   f"Headline at {head['rate']:.2f} req/s vs `{head['baseline']}`: mean TTFT "
+                   f"{head['mean_ttft_reduction']:+.1%} reduction, P90 {head['p90_ttft_reduction']:+.1%}, "
+                   f"token-weighted SLO attainment {head['slo_gain_points']:+.1f} points "
+                   f"({time.perf_counter() - t0:.0f} s to simulate).", ""]
+            print(md[-2])
+    return data, md
+
+
+def part_reconfig(wls: dict, quick: bool) -> tuple[dict, list[str]]:
+    """Agent traffic at a moderate then a high rate, then a long-document phase."""
+    cfg = ReplayConfig(degrees=(2, 4), systems=("vertumnus",))
+    env = ReplayEnv.build(cfg, 512, {2, 4})
+    cap_agent = env.capacity_rate(wls["toolagent"], 2)
+    cap_long = env.capacity_rate(wls["leval"], 2)
+    dur = 120.0 if quick else 400.0
+    phases = [Phase("agent-moderate", wls["toolagent"], 0.8 * cap_agent, dur),
+              Phase("agent-high", wls["toolagent"], 1.9 * cap_agent, dur),
+              Phase("long-docs", wls["leval"], 0.9 * cap_long, dur)]
+    reqs = assign_slos(phased_workload(phases), SloSpec.parse(cfg.slo), env.isolated_ttft)
+    data, md = {}, ["| system | phase | requests | mean TTFT (ms) | P90 TTFT (ms) | tok-w SLO att. |",
+                    "|---|---|---|---|---|---|"]
+    for name in ("homogeneous-cp2", "homogeneous-cp4", "vertumnus-static", "vertumnus"):
+        system = env.build_system(name, env.demand(reqs[: len(reqs) // 3], phases[0].rate))
+        records, sched = simulate_system(env, cfg, system, reqs)
+        per = {}
+        for ph in phases:
+            m = summarize([r for r in records if phase_of(r.request.request_id) == ph.name])
+            per[ph.name] = m
+            md.append(f"| {name} | {ph.name} | {m['num_requests']} | {m['mean_ttft_ms']:.0f} | "
+                      f"{m['p90_ttft_ms']:.0f} | {m['token_weighted_slo_attainment']:.3f} |")
+        data[name] = {"phases": per, "overall": summarize(records),
+                      "initial_composition": system.composition,
+                      "reconfigurations": sched.reconfiguration_log,
+                      "replications": len(sched.replication_log)}
+    log = data["vertumnus"]["reconfigurations"]
+    md += ["", f"`vertumnus` made {len(log)} reconfigurations: "
+           + "; ".join(f"{x['kind']} at {x['started']:.0f} s -> {len(x['composition'])} workers"
+                       for x in log[:12]) + (" ..." if len(log) > 12 else "")]
+    return {"phases": [(p.name, p.rate, p.duration_s) for p in phases], "systems": data}, md
+
+
+def part_sensitivity(wls: dict, quick: bool) -> tuple[dict, list[str]]:
+    variants = {}
+    for beta in (0.5, 1.0, 2.0):
+        variants[f"vertumnus[beta={beta}]"] = dict(beta=beta)
+    for lam in (0.0, 0.25, 1.0, 4.0):
+        variants[f"vertumnus[lam={lam}]"] = dict(lam=lam)
+    for upper, lower in ((0.6, 0.25), (0.75, 0.35), (0.9, 0.5)):
+        variants[f"vertumnus[upper={upper},lower={lower}]"] = dict(
+            controller_config=ControllerConfig(upper=upper, lower=lower))
+    for name, kw in variants.items():
+        register_system(name, lambda pool, name=name, kw=kw: vertumnus_system(pool, name=name, **kw))
+    data, md = {}, []
+    for wname, load in (("toolagent", 2.0), ("production", 1.1)):
+        cfg = ReplayConfig(systems=tuple(variants), load_factors=(load,))
+        results, _ = run_sweep(wls[wname], wname, cfg)
+        data[wname] = results
+        md += [f"### {wname} at load factor {load}", "", report.markdown_table(results), ""]
+    return data, md
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    os.makedirs(_OUT.value, exist_ok=True)
+    try:
+        wls = workloads(_QUICK.value)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e} (--traces_dir)")
+    all_data, md = {}, ["# Vertumnus-JAX simulated comparison (generated by `python -m eval.paper`)", ""]
+    parts = {"sweep": lambda: part_sweep(wls, _QUICK.value, _OUT.value),
+             "reconfig": lambda: part_reconfig(wls, _QUICK.value),
+             "sensitivity": lambda: part_sensitivity(wls, _QUICK.value)}
+    for p in _PARTS.value:
+        if p not in parts:
+            sys.exit(f"error: --parts entries must be among {sorted(parts)}, got {p!r}")
+        t0 = time.perf_counter()
+        data, lines = parts[p]()
+        all_data[p] = data
+        md += [f"## {p}", ""] + lines + [""]
+        print(f"part {p}: {time.perf_counter() - t0:.0f} s")
+    with open(os.path.join(_OUT.value, "paper_results.json"), "w") as f:
+        json.dump(all_data, f, indent=1, sort_keys=True, default=str)
+    with open(os.path.join(_OUT.value, "tables.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"wrote {_OUT.value}/tables.md and paper_results.json")
+
+
+if __name__ == "__main__":
+    app.run(main)
