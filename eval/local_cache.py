@@ -186,6 +186,33 @@ class LocalPrefixCache:
             evicted.append(h)
         return evicted
 
+    def restore_ancestor_order(self) -> None:
+        """Reorders the LRU so every cached parent is more recent than its cached children.
+
+        Merging two caches interleaves their recency orders and can leave a shared parent older
+        than a child, so LRU eviction would take a parent before its leaves. A block's recency
+        becomes the most recent of its own and its cached descendants'. O(n log n).
+        """
+        lru = self._lru
+        rank = {h: float(i) for i, h in enumerate(lru)}
+        depth: dict[int, int] = {}
+        for h in lru:  # depth within the cache (walk up cached parents)
+            path, x = [], h
+            while x is not None and x in lru and x not in depth:
+                path.append(x)
+                x = lru[x]
+            d = depth.get(x, -1) if x is not None and x in lru else -1
+            for y in reversed(path):
+                d += 1
+                depth[y] = d
+        for h in sorted(lru, key=depth.__getitem__, reverse=True):  # deepest first
+            p = lru[h]
+            if p is not None and p in rank and rank[p] <= rank[h]:
+                rank[p] = rank[h] + 0.5
+        order = sorted(lru.items(), key=lambda item: rank[item[0]])
+        lru.clear()
+        lru.update(order)
+
     def blocks(self) -> list[tuple[int, int | None]]:
         """`(hash, parent hash)` of every cached block, least recently used first."""
         return list(self._lru.items())

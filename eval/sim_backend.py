@@ -78,8 +78,8 @@ class SimulatedBackend:
       workers: the pool's workers.
       prefill_seconds: ground truth `(cp_degree, input_len, cached_len) -> seconds`.
       config: `SimConfig`.
-      push_completion: callback `(finish_time, worker_id, request_id, PrefillResult)` that the
-        simulator turns into a completion event.
+      push_completion: callback `(finish_time, payload)` that the simulator turns into a
+        completion event, handled by `finish_prefill(payload, finish_time)`.
       push_call: callback `(time, fn)`: the simulator calls `fn()` at `time` (copies,
         reclamations and re-carves finishing).
 
@@ -88,7 +88,7 @@ class SimulatedBackend:
 
     def __init__(self, workers: Sequence[WorkerSpec],
                  prefill_seconds: Callable[[int, int, int], float], config: SimConfig,
-                 push_completion: Callable[[float, int, str | int, PrefillResult], None],
+                 push_completion: Callable[[float, tuple], None],
                  push_call: Callable[[float, Callable[[], None]], None]) -> None:
         self.caches = {w.worker_id: LocalPrefixCache(w.kv_capacity_blocks) for w in workers}
         self.degrees = {w.worker_id: w.cp_degree for w in workers}
@@ -114,6 +114,7 @@ class SimulatedBackend:
             merged = LocalPrefixCache(spec.kv_capacity_blocks)
             for cache in olds:
                 merged.adopt(cache.blocks())
+            merged.restore_ancestor_order()
             new = {spec.worker_id: merged}
         else:
             [old] = olds
@@ -157,14 +158,21 @@ class SimulatedBackend:
         self._push_call(now, finish)
 
     def start_prefill(self, worker_id: int, request: Request, now: float) -> None:
+        """Takes the hit and makes room now (evictions reported at once, as KV events); the new
+        blocks are cached and reported when the prefill completes (`finish_prefill`)."""
         cache = self.caches[worker_id]
         bs = request.block_size
         total = -(-request.input_len // bs)
         hit, evicted = cache.begin(request.block_hashes, request.max_cacheable_blocks, total)
-        cached_len = hit * bs
-        finish = now + self._prefill_seconds(self.degrees[worker_id], request.input_len, cached_len)
-        inserted = cache.finish(request.block_hashes, hit, request.full_blocks, total)
-        # The new blocks are reported at completion, the time they become readable.
-        self._push(finish, worker_id, request.request_id, PrefillResult(
-            cached_len, finish, finish + self._config.after_prefill_seconds(request.input_len),
-            inserted, evicted))
+        if evicted:
+            self.scheduler.kv_events(worker_id, (), evicted)
+        finish = now + self._prefill_seconds(self.degrees[worker_id], request.input_len, hit * bs)
+        self._push(finish, (worker_id, request, hit, total))
+
+    def finish_prefill(self, payload: tuple, now: float) -> None:
+        """The completion event of `start_prefill`: caches the new full blocks, reports them."""
+        worker_id, request, hit, total = payload
+        inserted = self.caches[worker_id].finish(request.block_hashes, hit, request.full_blocks, total)
+        self.scheduler.complete(worker_id, request.request_id, now, PrefillResult(
+            hit * request.block_size, now, now + self._config.after_prefill_seconds(request.input_len),
+            inserted))

@@ -19,7 +19,6 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from eval.sim_backend import SimConfig, SimulatedBackend  # noqa: F401 (SimConfig re-exported)
-from serving.backend import PrefillResult
 from serving.prefix_index import PrefixIndex
 from serving.request import Request
 from serving.router import Router
@@ -70,10 +69,10 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     heap: list = []
     seq = 0
 
-    def push_completion(t: float, worker_id: int, request_id, result: PrefillResult) -> None:
+    def push_completion(t: float, payload: tuple) -> None:
         nonlocal seq
         seq += 1
-        heapq.heappush(heap, (t, _COMPLETE, seq, (worker_id, request_id, result)))
+        heapq.heappush(heap, (t, _COMPLETE, seq, payload))
 
     def push_call(t: float, fn: Callable[[], None]) -> None:
         nonlocal seq
@@ -106,7 +105,7 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
 
 def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float) -> None:
     i, n = 0, len(requests)
-    submit, complete = scheduler.submit, scheduler.complete
+    submit, complete = scheduler.submit, scheduler.backend.finish_prefill
     heappop = heapq.heappop
     while i < n or heap:
         if i < n and (not heap or requests[i].arrival_time < heap[0][0]
@@ -117,7 +116,7 @@ def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, t
             continue
         t, kind, _, payload = heappop(heap)
         if kind == _COMPLETE:
-            complete(payload[0], payload[1], t, payload[2])
+            complete(payload, t)
         elif kind == _CALL:
             payload()
         else:

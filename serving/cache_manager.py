@@ -19,6 +19,7 @@ seconds). At most `max_actions` actions per scan; then demand counts decay by `d
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from serving.prefix_trie import GlobalPrefixTrie
 from serving.worker import WorkerStatus
@@ -41,6 +42,11 @@ class CacheManagerConfig:
     min_blocks: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("scan_interval_s", "decay", "min_missed_tokens", "intra_high", "reclaim_low"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not isinstance(self.max_actions, int) or not isinstance(self.min_blocks, int):
+            raise ValueError("max_actions and min_blocks must be integers")
         if not self.scan_interval_s > 0:
             raise ValueError(f"scan_interval_s must be > 0, got {self.scan_interval_s}")
         if not 0 <= self.decay < 1:
@@ -88,8 +94,9 @@ class PrefixCacheManager:
             for c in degrees:
                 r = trie.replica_count(tip, c)
                 a = acc.get(c, 0.0)
-                if r == 0 and miss.get(c, 0.0) >= cfg.min_missed_tokens:
-                    candidates.append((-miss[c], "inter-degree", tip, c))
+                m = miss.get(c, 0.0)
+                if r == 0 and m > 0 and m >= cfg.min_missed_tokens:
+                    candidates.append((-m, "inter-degree", tip, c))
                 elif r >= 1 and a / r > cfg.intra_high:
                     candidates.append((-a / r, "intra-degree", tip, c))
                 elif r >= 2 and a / r < cfg.reclaim_low:
@@ -110,9 +117,11 @@ class PrefixCacheManager:
     def _replicate(self, scheduler, chain, c, kind, now) -> bool:
         trie = scheduler.prefix_index
         holders = [w for w in trie.holders(chain[-1]) if w in scheduler.workers]
-        if not holders:
+        whole = [w for w, m in zip(holders, trie.match_blocks(chain, len(chain), holders))
+                 if m == len(chain)]  # a copy's source must hold the whole prefix
+        if not whole:
             return False
-        src = min(holders, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
+        src = min(whole, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
         dests = [w for w in scheduler.workers.values()
                  if w.status is WorkerStatus.ACTIVE and w.cp_degree == c and w.worker_id not in holders
                  and (w.worker_id, chain[-1]) not in scheduler.replications]

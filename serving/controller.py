@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -57,6 +58,16 @@ class ControllerConfig:
     min_split_gain: float = 0.03
 
     def __post_init__(self) -> None:
+        for name in ("upper", "lower", "window_s", "hold_s", "cooldown_s", "long_share_rise",
+                     "stable_band", "min_split_gain"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        for name in ("min_degree", "max_degree"):
+            c = getattr(self, name)
+            if not isinstance(c, int) or c < 1 or c & (c - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {c!r}")
+        if self.long_threshold < 1 or self.stable_band < 0 or self.min_split_gain < 0:
+            raise ValueError("long_threshold >= 1, stable_band >= 0 and min_split_gain >= 0 required")
         if not 0 <= self.lower < self.upper:
             raise ValueError(f"need 0 <= lower < upper, got lower={self.lower}, upper={self.upper}")
         if not self.window_s > 0:
@@ -83,6 +94,8 @@ class ReconfigurationController:
 
     def __init__(self, config: ControllerConfig, num_gpus: int,
                  max_input_len: Callable[[int], int]) -> None:
+        if not isinstance(num_gpus, int) or num_gpus < 1:
+            raise ValueError(f"num_gpus must be an integer >= 1, got {num_gpus!r}")
         self.config = config
         self.num_gpus = num_gpus
         self.max_input_len = max_input_len
@@ -228,7 +241,13 @@ class ReconfigurationController:
 
 
 def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
-    """Every multiset of the given degrees that uses exactly `num_gpus` devices."""
+    """Every multiset of the given degrees that uses exactly `num_gpus` devices.
+
+    Raises:
+      ValueError: no degree, or a degree that is not a power of two >= 1.
+    """
+    if not degrees or any(not isinstance(c, int) or c < 1 or c & (c - 1) for c in degrees):
+        raise ValueError(f"degrees must be powers of two >= 1, got {list(degrees)}")
     ds = sorted(set(degrees), reverse=True)
     out: list[list[int]] = []
 
@@ -275,6 +294,8 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
         raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
                          f"with a worker of degree >= {min_largest_degree}")
     t = {c: mean_prefill_seconds(c) for c in set(degrees)}
+    if not all(math.isfinite(v) and v > 0 for v in t.values()):
+        raise ValueError(f"mean_prefill_seconds must be finite and > 0 per degree, got {t}")
 
     def capacity(comp):
         return sum(1.0 / t[c] for c in comp)

@@ -91,4 +91,7 @@ class VertumnusRouter:
         for i in (*range(start, n), *range(start)):
             if costs[i] < best_cost:
                 best, best_cost = i, costs[i]
+        if best < 0:
+            raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
+                             f"cost model returned {costs}")
         return best

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from serving.worker import WorkerSpec, WorkerState, WorkerStatus
+from serving.worker import WorkerSpec, WorkerState, WorkerStatus, are_buddies
 
 @dataclasses.dataclass
 class Reconfiguration:
@@ -51,21 +51,13 @@ class ReconfigurationMixin:
         `finish_reconfiguration` activates the new workers under a new epoch.
 
         Raises:
-          ValueError: (nothing changed) an unknown kind, an old worker that is not ACTIVE, or
-            new workers whose devices are not exactly the old workers' devices.
+          ValueError: (nothing changed) an unknown kind; old ids that are repeated, unknown or
+            not ACTIVE; new ids that are repeated or already used; or a shape that is not a
+            split (one worker of degree 2C into its two aligned halves) or a merge (two buddy
+            workers of degree C into their aligned group of 2C), devices and KV blocks per
+            device conserved.
         """
-        if kind not in ("split", "merge"):
-            raise ValueError(f"kind must be 'split' or 'merge', got {kind!r}")
-        olds = []
-        for wid in old_ids:
-            w = self.workers.get(wid)
-            if w is None or w.status is not WorkerStatus.ACTIVE:
-                raise ValueError(f"worker {wid} is not an ACTIVE worker of the pool")
-            olds.append(w)
-        old_devices = sorted(d for w in olds for d in w.spec.devices)
-        new_devices = sorted(d for spec in new_specs for d in spec.devices)
-        if old_devices != new_devices:
-            raise ValueError(f"new workers must cover exactly devices {old_devices}, got {new_devices}")
+        olds = self._check_reconfiguration(kind, old_ids, new_specs)
         self.epoch += 1
         rec = Reconfiguration(kind, tuple(old_ids), tuple(new_specs), self.epoch, now)
         self.reconfigurations[rec.epoch] = rec
@@ -83,6 +75,44 @@ class ReconfigurationMixin:
             self._route(r, now)
         self._maybe_recarve(rec, now)
         return rec
+
+    def _check_reconfiguration(self, kind, old_ids, new_specs) -> list[WorkerState]:
+        if kind not in ("split", "merge"):
+            raise ValueError(f"kind must be 'split' or 'merge', got {kind!r}")
+        old_ids, new_specs = list(old_ids), list(new_specs)
+        if len(set(old_ids)) != len(old_ids):
+            raise ValueError(f"old worker ids repeat: {old_ids}")
+        olds = []
+        for wid in old_ids:
+            w = self.workers.get(wid)
+            if w is None or w.status is not WorkerStatus.ACTIVE:
+                raise ValueError(f"worker {wid} is not an ACTIVE worker of the pool")
+            olds.append(w)
+        new_ids = [spec.worker_id for spec in new_specs]
+        taken = set(self.workers) | {s.worker_id for r in self.reconfigurations.values()
+                                     for s in r.new_specs}
+        if len(set(new_ids)) != len(new_ids) or taken & set(new_ids):
+            raise ValueError(f"new worker ids must be fresh and distinct (new_worker_ids()), got {new_ids}")
+        if kind == "split":
+            ok = (len(olds) == 1 and len(new_specs) == 2 and olds[0].cp_degree >= 2 and
+                  sorted((s.first_device, s.cp_degree) for s in new_specs) ==
+                  [(olds[0].spec.first_device + k * olds[0].cp_degree // 2, olds[0].cp_degree // 2)
+                   for k in (0, 1)])
+        else:
+            a = olds[0].spec if olds else None
+            ok = (len(olds) == 2 and len(new_specs) == 1 and are_buddies(a, olds[1].spec) and
+                  (new_specs[0].first_device, new_specs[0].cp_degree) ==
+                  (min(a.first_device, olds[1].spec.first_device), 2 * a.cp_degree))
+        if not ok:
+            raise ValueError(
+                f"not a {kind}: {[(w.worker_id, w.cp_degree, w.spec.first_device) for w in olds]} -> "
+                f"{[(s.worker_id, s.cp_degree, s.first_device) for s in new_specs]} (a split turns "
+                "one 2C worker into its two aligned halves, a merge two buddies into their group)")
+        per_device = {w.spec.kv_capacity_blocks // w.cp_degree for w in olds}
+        if any(s.kv_capacity_blocks != s.cp_degree * next(iter(per_device)) for s in new_specs) \
+                or len(per_device) != 1:
+            raise ValueError("new workers must keep the old KV blocks per device")
+        return olds
 
     def finish_reconfiguration(self, epoch: int, now: float,
                                cached_blocks: dict[int, Sequence[int]]) -> None:

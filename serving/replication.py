@@ -10,6 +10,7 @@ backend confirms (`finish_reclaim`). The policy choosing *what* to copy or free 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from serving.worker import WorkerStatus
@@ -42,6 +43,9 @@ class Replication:
         return len(self.chain) - self.start
 
 
+REASONS = ("inter-degree", "intra-degree")
+
+
 class ReplicationMixin:
     """Scheduler methods for copies and reclamations (see `Scheduler`)."""
 
@@ -56,6 +60,12 @@ class ReplicationMixin:
         """
         if src == dst:
             raise ValueError(f"src and dst are both worker {src}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        if not math.isfinite(now):
+            raise ValueError(f"now must be finite, got {now}")
         w = self.workers.get(dst)
         if w is None or w.status is not WorkerStatus.ACTIVE:
             raise ValueError(f"destination worker {dst} is not an ACTIVE worker of the pool")
@@ -103,6 +113,8 @@ class ReplicationMixin:
         """
         if worker_id not in self.workers:
             raise ValueError(f"worker {worker_id} is not in the pool")
+        if not chain:
+            raise ValueError("chain must name at least one block")
         key = (worker_id, chain[-1])
         if key in self.reclaims:
             raise ValueError(f"a reclamation of this prefix on worker {worker_id} is pending")
@@ -116,7 +128,7 @@ class ReplicationMixin:
         Raises:
           ValueError: no such reclamation is pending.
         """
-        if self.reclaims.pop((worker_id, chain[-1]), None) is None:
+        if not chain or self.reclaims.pop((worker_id, chain[-1]), None) is None:
             raise ValueError(f"no reclamation of that prefix on worker {worker_id} is pending")
         if worker_id in self.workers and evicted:
             self.prefix_index.evict(worker_id, evicted)

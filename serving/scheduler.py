@@ -184,10 +184,14 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         if request.request_id in self._placements or any(
                 r.request_id == request.request_id for r in self._pending):
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        self.num_submitted += 1
         for hook in self.submit_hooks:
             hook(request, now)
-        return self._route(request, now)
+        self.num_submitted += 1
+        try:
+            return self._route(request, now)
+        except Exception:
+            self.num_submitted -= 1  # a router or cost-model error: the request was not taken
+            raise
 
     def complete(self, worker_id: int, request_id: str | int, now: float,
                  result: PrefillResult) -> None:
@@ -209,6 +213,16 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             placement.predicted_cached_len, placement.estimate, None, result.first_token,
             placement.global_cached_len))
         self._after_run(worker, now)
+
+    def kv_events(self, worker_id: int, inserted: Sequence[int], evicted: Sequence[int]) -> None:
+        """A worker's prefix cache changed outside a completion (e.g. blocks evicted to make room
+        when a prefill starts): applies the events to the prefix index, evictions first."""
+        if worker_id not in self.workers:
+            return  # the worker left the pool; its blocks went with it
+        if evicted:
+            self.prefix_index.evict(worker_id, evicted)
+        if inserted:
+            self.prefix_index.insert(worker_id, inserted)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
         """The backend could not prefill `request_id` on `worker_id`; the request fails.

@@ -76,3 +76,27 @@ def test_child_counts_and_capacity_hold_under_random_operations():
         check(cache)
     for half in split_cache(cache, 15):
         check(half)
+
+
+def test_merged_caches_keep_parents_more_recent_than_children():
+    a, b = LocalPrefixCache(10), LocalPrefixCache(10)
+    shared = chain_block_hashes([1, 2])
+    x = chain_block_hashes([3], shared[-1])
+    y = chain_block_hashes([4, 5], shared[-1])
+    a.insert_chain(shared)              # a: the shared prefix only, long ago
+    a.insert_chain(chain_block_hashes([9]))
+    b.insert_chain(shared + x)
+    b.insert_chain(shared + y)          # b: two children of the shared prefix
+    merged = LocalPrefixCache(20)
+    for c in (a, b):  # a's older copy of the shared prefix goes in first
+        merged.adopt(c.blocks())
+    merged.restore_ancestor_order()
+    pos = {h: i for i, (h, _) in enumerate(merged.blocks())}
+    for h, parent in merged.blocks():
+        if parent is not None and parent in pos:
+            assert pos[parent] > pos[h]
+    # Evicting down to 2 blocks keeps a root-first prefix, never a child without its parent.
+    merged.capacity_blocks = 2
+    merged.adopt([])
+    kept = dict(merged.blocks())
+    assert all(p is None or p in kept for p in kept.values())

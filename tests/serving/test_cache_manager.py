@@ -93,3 +93,37 @@ def test_intra_degree_replica_and_reclamation():
     assert trie.replica_count(chain[-1], 2) == 2  # until the worker confirms
     s.finish_reclaim(2, chain, 3.5, list(chain[20:]))
     assert trie.replica_count(chain[-1], 2) == 1
+
+
+def test_copy_source_must_hold_the_whole_prefix_and_zero_threshold_is_safe():
+    s, b = setup()
+    trie = s.prefix_index
+    chain = DOC.block_hashes[:32]
+    trie.insert(0, chain[-1:])   # worker 0 holds only the tip (an orphan after a merge)
+    trie.insert(1, chain)        # worker 1 (CP-2) holds the whole prefix
+    for _ in range(3):
+        trie.record(DOC, cp_degree=1, global_blocks=32, reused_blocks=0)
+    mgr = PrefixCacheManager(CacheManagerConfig(min_missed_tokens=0.0, intra_high=100))
+    mgr.scan(s, 1.0)
+    assert b.copies and all(rep.src == 1 for rep in b.copies)
+
+
+def test_bad_arguments_change_nothing():
+    import math
+
+    import pytest
+
+    s, b = setup()
+    s.prefix_index.insert(0, DOC.block_hashes[:4])
+    for kwargs, msg in ((dict(block_size=0), "block_size"), (dict(reason="why"), "reason"),
+                        (dict(now=math.nan), "now")):
+        args = dict(src=0, dst=1, chain=DOC.block_hashes[:4], block_size=512, now=0.0)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=msg):
+            s.begin_replication(**args)
+    with pytest.raises(ValueError, match="chain"):
+        s.begin_reclaim(0, [], 0.0)
+    assert not s.replications and not s.reclaims and b.copies == []
+    for bad in (dict(scan_interval_s=math.inf), dict(max_actions=2.5), dict(min_missed_tokens=math.nan)):
+        with pytest.raises(ValueError):
+            CacheManagerConfig(**bad)

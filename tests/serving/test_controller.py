@@ -119,12 +119,23 @@ def test_begin_reconfiguration_rejects_bad_geometry_without_change():
         def recarve(self, *a):
             pass
 
-    s = Scheduler(layout_workers([2, 2], 10, 1000), LinearCost(), LeastWorkRouter(), B())
-    with pytest.raises(ValueError, match="cover exactly devices"):
-        s.begin_reconfiguration("merge", [0, 1], [WorkerSpec(9, 2, 0, 20, 1000)], 0.0)
-    with pytest.raises(ValueError, match="kind"):
-        s.begin_reconfiguration("fold", [0], [], 0.0)
+    s = Scheduler(layout_workers([2, 2, 1, 1], 10, 1000), LinearCost(), LeastWorkRouter(), B())
+    bad = [
+        ("merge", [0, 1], [WorkerSpec(9, 2, 0, 20, 1000)], "not a merge"),   # covers 2 of 4 devices
+        ("fold", [0], [], "kind"),
+        ("split", [0], [WorkerSpec(1, 1, 0, 10, 1000), WorkerSpec(9, 1, 1, 10, 1000)], "fresh"),
+        ("split", [0], [WorkerSpec(8, 1, 0, 10, 1000), WorkerSpec(8, 1, 1, 10, 1000)], "fresh"),
+        ("merge", [2, 2], [WorkerSpec(9, 2, 4, 20, 1000)], "repeat"),
+        ("split", [0], [WorkerSpec(8, 2, 0, 20, 1000)], "not a split"),      # not halves
+        ("merge", [1, 2], [WorkerSpec(9, 4, 0, 40, 1000)], "not a merge"),   # not buddies
+        ("split", [0], [WorkerSpec(8, 1, 0, 10**6, 1000), WorkerSpec(9, 1, 1, 10**6, 1000)], "KV"),
+        ("merge", [], [], "not a merge"),
+    ]
+    for kind, old, new, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            s.begin_reconfiguration(kind, old, new, 0.0)
     assert s.epoch == 0 and all(w.status.value == "active" for w in s.workers.values())
+    assert s.begin_reconfiguration("merge", [2, 3], [WorkerSpec(9, 2, 4, 20, 1000)], 0.0).epoch == 1
 
 
 def test_initial_composition_most_large_workers_with_enough_capacity():
@@ -194,3 +205,34 @@ def test_split_gain_from_the_cost_model():
             big = sum(4 * cost.predict(4, n, 0) for n in lengths)
             small = sum(2 * cost.predict(2, n, 0) for n in lengths)
             assert gain == pytest.approx(big / small) and gain > 1
+
+
+def test_config_and_router_edges():
+    import math
+
+    from serving.cost_router import VertumnusRouter
+    from serving.scheduler import Scheduler
+
+    for bad in (dict(min_split_gain=math.nan), dict(hold_s=math.nan), dict(window_s=math.inf),
+                dict(min_degree=3), dict(long_threshold=-1), dict(stable_band=-1)):
+        with pytest.raises(ValueError):
+            ControllerConfig(**bad)
+    with pytest.raises(ValueError, match="num_gpus"):
+        ReconfigurationController(ControllerConfig(), 0, lambda c: 1)
+    with pytest.raises(ValueError, match="powers of two"):
+        compositions(8, [])
+    with pytest.raises(ValueError, match="mean_prefill_seconds"):
+        initial_composition(8, [2, 4], 1.0, lambda c: 0.0, 0.8)
+
+    class NanCost:
+        def predict(self, c, n, h):
+            return math.nan
+
+    class B:
+        def start_prefill(self, *a):
+            pass
+
+    s = Scheduler(layout_workers([1, 1], 10, 1000), NanCost(), VertumnusRouter(), B())
+    with pytest.raises(ValueError, match="no finite placement cost"):
+        s.submit(Request("r", 0.0, 100, 1, chain_block_hashes([1]), 512), 0.0)
+    assert s.num_in_flight == 0 and all(not w.queue for w in s.workers.values())
