@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ABSENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,60 +176,99 @@ class ModelConfig:
         """Reads a Hugging Face `Qwen3Config` / `Qwen3MoeConfig` dict (a `config.json`).
 
         `dtype` defaults to the config's `torch_dtype` / `dtype` (else float32). RoPE theta is
-        read from `rope_theta` or `rope_parameters["rope_theta"]`.
+        read from `rope_theta` or `rope_parameters["rope_theta"]` (equal when both are given).
+        As in transformers, `num_key_value_heads: null` means `num_attention_heads` and
+        `head_dim: null` means `hidden_size // num_attention_heads`; other fields must not be
+        null.
 
         Raises:
-          ValueError: for a `model_type` other than "qwen3" / "qwen3_moe", a missing field
-            (named), or a feature this model does not implement (RoPE scaling, sliding window,
-            attention bias, an activation other than SiLU).
+          ValueError: naming the field, for a `model_type` other than "qwen3" / "qwen3_moe", a
+            missing or null field, a field of the wrong JSON type, or a feature this model does
+            not implement: RoPE scaling (a non-default `rope_type` in `rope_parameters` or
+            `rope_scaling`), sliding-window attention (`use_sliding_window`, a `layer_types`
+            entry other than "full_attention"), attention bias, an activation other than SiLU,
+            or quantisation (`quantization_config`: quantised checkpoints are not supported).
         """
         model_type = hf.get("model_type")
         if model_type not in ("qwen3", "qwen3_moe"):
             raise ValueError(f"config.json model_type must be 'qwen3' or 'qwen3_moe', "
                              f"got {model_type!r}")
+        types = {int: (int,), float: (int, float), bool: (bool,), dict: (dict,), list: (list,),
+                 str: (str,)}
 
-        def need(key):
+        def get(key, kind, default=_ABSENT, null=_ABSENT):
             if key not in hf:
-                raise ValueError(f"config.json is missing field {key!r}")
-            return hf[key]
+                if default is _ABSENT:
+                    raise ValueError(f"config.json is missing field {key!r}")
+                return default
+            v = hf[key]
+            if v is None:
+                if null is _ABSENT:
+                    raise ValueError(f"config.json field {key!r} must not be null")
+                return null
+            if not isinstance(v, types[kind]) or (kind is not bool and isinstance(v, bool)):
+                raise ValueError(f"config.json field {key!r} must be a JSON {kind.__name__}, "
+                                 f"got {v!r}")
+            return v
 
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"config.json rope_type must be 'default', got {rope_type!r}")
-        theta = hf.get("rope_theta", rope.get("rope_theta"))
+        if get("quantization_config", dict, None, None):
+            raise ValueError("config.json has a quantization_config: quantised checkpoints are "
+                             "not supported")
+        rope = get("rope_parameters", dict, {}, {})
+        scaling = get("rope_scaling", dict, {}, {})
+        for key, params in (("rope_parameters", rope), ("rope_scaling", scaling)):
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in (None, "default"):
+                raise ValueError(f"config.json {key} rope_type must be 'default' (no RoPE "
+                                 f"scaling), got {kind!r}")
+        theta = get("rope_theta", float, None, None)
+        if "rope_theta" in rope:
+            if theta is not None and float(rope["rope_theta"]) != float(theta):
+                raise ValueError(f"config.json rope_theta ({theta}) and rope_parameters"
+                                 f"['rope_theta'] ({rope['rope_theta']}) differ")
+            theta = rope["rope_theta"]
         if theta is None:
             raise ValueError("config.json is missing field 'rope_theta'")
-        if hf.get("use_sliding_window", False):
+        if get("use_sliding_window", bool, False, False):
             raise ValueError("config.json use_sliding_window must be false (not implemented)")
-        if hf.get("attention_bias", False):
+        layer_types = get("layer_types", list, [], [])
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError("config.json layer_types must all be 'full_attention' (sliding "
+                             f"window not implemented), got {sorted(set(layer_types))}")
+        if get("attention_bias", bool, False, False):
             raise ValueError("config.json attention_bias must be false (Qwen3 has none)")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act must be 'silu', got {hf['hidden_act']!r}")
+        act = get("hidden_act", str, "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act must be 'silu', got {act!r}")
         if dtype is None:
             src = hf.get("dtype", hf.get("torch_dtype")) or "float32"
             dtype = src if src in _DTYPES else "float32"
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        hidden, heads = get("hidden_size", int), get("num_attention_heads", int)
+        layers = get("num_hidden_layers", int)
+        if heads < 1:
+            raise ValueError(f"config.json num_attention_heads must be >= 1, got {heads}")
+        if layer_types and len(layer_types) != layers:
+            raise ValueError(f"config.json layer_types must have num_hidden_layers={layers} "
+                             f"entries, got {len(layer_types)}")
         moe = model_type == "qwen3_moe"
         return cls(
             name=name or str(hf.get("_name_or_path") or model_type),
-            vocab_size=int(need("vocab_size")),
+            vocab_size=get("vocab_size", int),
             hidden_size=hidden,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_q_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads", heads)),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            intermediate_size=int(hf.get("intermediate_size", 0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=get("num_key_value_heads", int, heads, heads),
+            head_dim=get("head_dim", int, hidden // heads, hidden // heads),
+            intermediate_size=get("intermediate_size", int, 0),
+            rms_norm_eps=float(get("rms_norm_eps", float, 1e-6)),
             rope_theta=float(theta),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            num_experts=int(need("num_experts")) if moe else 0,
-            num_experts_per_tok=int(need("num_experts_per_tok")) if moe else 0,
-            moe_intermediate_size=int(need("moe_intermediate_size")) if moe else 0,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            num_experts=get("num_experts", int) if moe else 0,
+            num_experts_per_tok=get("num_experts_per_tok", int) if moe else 0,
+            moe_intermediate_size=get("moe_intermediate_size", int) if moe else 0,
+            norm_topk_prob=get("norm_topk_prob", bool, True),
+            decoder_sparse_step=get("decoder_sparse_step", int, 1, 1),
+            mlp_only_layers=tuple(get("mlp_only_layers", list, [], [])),
             dtype=dtype,
         )
 

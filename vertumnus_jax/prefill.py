@@ -21,6 +21,7 @@ Executables are compiled once per (device set, C, N, prefix-block bucket).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -128,12 +129,44 @@ class PrefillResult:
         return iter((self.first_token, self.logits, self.new_block_ids))
 
 
+def as_token_ids(token_ids, vocab_size: int) -> np.ndarray:
+    """Validates a prompt: `[L]` int64 from a 1-D sequence of Python / numpy integers (or an
+    integer array) in `[0, vocab_size)`, L >= 1.
+
+    Raises ValueError naming `token_ids` for None, a scalar, a string, a nested or 2-D input,
+    an empty prompt, a bool or non-integer element (floats are rejected, not truncated), or a
+    value outside `[0, vocab_size)` (huge ints included).
+    """
+    if isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__array__"):
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got an array of shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must have an integer dtype, got {arr.dtype}")
+        lo, hi = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
+    elif isinstance(token_ids, Sequence) and not isinstance(token_ids, (str, bytes)):
+        for i, x in enumerate(token_ids):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise ValueError(f"token_ids must hold integers, got {type(x).__name__} "
+                                 f"{x!r} at index {i}")
+        arr = token_ids
+        lo, hi = (int(min(arr)), int(max(arr))) if len(arr) else (0, 0)
+    else:
+        raise ValueError("token_ids must be a 1-D sequence of ints, got "
+                         f"{type(token_ids).__name__}")
+    if len(arr) < 1:
+        raise ValueError("token_ids must hold at least one token")
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token_ids must be in [0, {vocab_size}), got range [{lo}, {hi}]")
+    return np.asarray(arr, dtype=np.int64)
+
+
 def prefill(worker: Worker, token_ids: Sequence[int], cached: Sequence[int]) -> PrefillResult:
     """Zigzag CP prefill of one prompt on `worker` over its cached prefix blocks.
 
     Args:
       worker: the worker (C devices, weights replicated, KV pool, prefix cache).
-      token_ids: the whole prompt, `[L]` ints in `[0, vocab_size)`, L >= 1.
+      token_ids: the whole prompt, `[L]` ints in `[0, vocab_size)`, L >= 1 (`as_token_ids`).
       cached: block ids of the first `len(cached)` blocks of the prompt already in the pool
         (block i on rank i % C), with `len(cached) * block_size < L`. The caller keeps them
         alive (locked) during the call.
@@ -144,18 +177,15 @@ def prefill(worker: Worker, token_ids: Sequence[int], cached: Sequence[int]) -> 
       (evicting LRU unreferenced blocks when needed) and hold the prompt's K/V.
 
     Raises:
-      ValueError: for an empty prompt, a token outside the vocabulary, a cached prefix that
-        is not shorter than the prompt, or a cached block id outside the pool.
-      OutOfBlocksError: when the pool cannot hold the new blocks; nothing changed then.
+      ValueError: for bad `token_ids` (see `as_token_ids`), a cached prefix that is not
+        shorter than the prompt, or a cached block id outside the pool, free, or repeated on
+        a rank.
+      OutOfBlocksError: when the pool cannot hold the new blocks. On this or any other
+        failure the prefix cache is left as it was (evictions and allocations undone).
     """
     cfg, c, bs = worker.config, worker.cp_degree, worker.block_size
-    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    tokens = as_token_ids(token_ids, cfg.vocab_size)
     length = tokens.shape[0]
-    if length < 1:
-        raise ValueError("token_ids must hold at least one token")
-    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
-        raise ValueError(f"token_ids must be in [0, {cfg.vocab_size}), got range "
-                         f"[{tokens.min()}, {tokens.max()}]")
     cached = [int(b) for b in cached]
     k = len(cached)
     if k * bs >= length:
@@ -164,6 +194,10 @@ def prefill(worker: Worker, token_ids: Sequence[int], cached: Sequence[int]) -> 
     if cached and not all(0 <= b < worker.pool.num_blocks for b in cached):
         raise ValueError(f"cached block ids must be in [0, {worker.pool.num_blocks}), got "
                          f"{cached}")
+    placed = [(i % c, b) for i, b in enumerate(cached)]
+    if len(set(placed)) != k or any(worker.cache.is_free(r, b) for r, b in placed):
+        raise ValueError(f"cached block ids must be distinct allocated blocks per rank (block i "
+                         f"on rank i % {c}), got {cached}")
     n_new = length - k * bs
     bucket = bucket_length(n_new, c, bs, worker.min_bucket)
     prefix_slots = _next_pow2(max(1, -(-k // c)))
@@ -172,8 +206,8 @@ def prefill(worker: Worker, token_ids: Sequence[int], cached: Sequence[int]) -> 
         worker.executables[key] = _step(worker, bucket, prefix_slots)
     step, new_slots = worker.executables[key]
 
-    new_ids = worker.cache.allocate(k, -(-n_new // bs))
-    try:
+    with worker.cache.transaction():  # any failure below undoes the allocation and evictions
+        new_ids = worker.cache.allocate(k, -(-n_new // bs))
         padded = np.zeros(bucket, np.int32)
         padded[:n_new] = tokens[k * bs:]
         prefix_ids = np.zeros((c, prefix_slots), np.int32)
@@ -190,9 +224,6 @@ def prefill(worker: Worker, token_ids: Sequence[int], cached: Sequence[int]) -> 
             worker.replicated(np.int32(n_new)))
         worker.pool.replace(pool_k, pool_v)
         return PrefillResult(int(token), np.asarray(logits), new_ids)
-    except BaseException:
-        worker.cache.free(k, new_ids)
-        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +236,8 @@ class RequestResult:
       cached_blocks: blocks that were a prefix hit (`cached_tokens = cached_blocks * bs`).
       cached_tokens: tokens not recomputed.
       locked_hashes: the full-block hashes this request holds locked until `release_request`.
+      request_id: the handle under which the worker tracks the live request (unique in the
+        process); `release_request` retires it.
     """
 
     first_token: int
@@ -213,6 +246,26 @@ class RequestResult:
     cached_blocks: int
     cached_tokens: int
     locked_hashes: tuple[int, ...]
+    request_id: int
+
+
+_REQUEST_IDS = itertools.count(1)
+
+
+def _as_hashes(block_hashes, length: int, bs: int) -> tuple[int, ...]:
+    n_full, n_all = length // bs, -(-length // bs)
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes,
+                                                                (Sequence, np.ndarray)):
+        raise ValueError(f"block_hashes must be a sequence of ints, got "
+                         f"{type(block_hashes).__name__}")
+    for i, h in enumerate(block_hashes):
+        if isinstance(h, (bool, np.bool_)) or not isinstance(h, (int, np.integer)) or \
+                not 0 <= int(h) < 1 << 64:
+            raise ValueError(f"block_hashes must hold ints in [0, 2**64), got {h!r} at index {i}")
+    if len(block_hashes) not in (n_full, n_all):
+        raise ValueError(f"block_hashes must have {n_full} or {n_all} entries for {length} "
+                         f"tokens of block size {bs}, got {len(block_hashes)}")
+    return tuple(int(h) for h in block_hashes)[:n_full]
 
 
 def prefill_request(worker: Worker, token_ids: Sequence[int],
@@ -221,48 +274,63 @@ def prefill_request(worker: Worker, token_ids: Sequence[int],
 
     Args:
       worker: the worker.
-      token_ids: the prompt, `[L]` ints.
-      block_hashes: the prompt's chained block hashes (`L // bs` full-block ones, optionally
-        one more for a partial last block, which is ignored); default `block_hashes(token_ids,
-        block_size)` from `vertumnus_jax.prefix_cache`.
+      token_ids: the prompt, `[L]` ints (`as_token_ids`).
+      block_hashes: the prompt's chained block hashes, ints in `[0, 2**64)` (`L // bs`
+        full-block ones, optionally one more for a partial last block, which is ignored);
+        default `block_hashes(token_ids, block_size)` from `vertumnus_jax.prefix_cache`.
 
     Returns:
       A `RequestResult`; its full blocks stay locked (and its partial last block owned) until
       `release_request`. New full blocks are in the cache and in `worker.cache.events`.
 
     Raises:
-      ValueError: on bad tokens or a hash count other than `L // bs` or `ceil(L / bs)`.
-      OutOfBlocksError: when the pool cannot hold the new blocks; nothing changed then.
+      ValueError: on bad tokens, a hash count other than `L // bs` or `ceil(L / bs)`, or
+        hashes that are not a chain (a repeat, or a hash cached under another parent); checked
+        before anything changes.
+      OutOfBlocksError: when the pool cannot hold the new blocks. On this or any other
+        failure the cache is as before: tree, refcounts, LRU ages, free lists and events.
     """
-    bs, length = worker.block_size, len(token_ids)
+    bs = worker.block_size
+    tokens = as_token_ids(token_ids, worker.config.vocab_size)
+    length = len(tokens)
     n_full = length // bs
     if block_hashes is None:
-        hashes = hash_blocks(token_ids, bs)
+        hashes = hash_blocks(tokens, bs)
     else:
-        hashes = tuple(int(x) for x in block_hashes)
-        if len(hashes) not in (n_full, -(-length // bs)):
-            raise ValueError(f"block_hashes must have {n_full} or {-(-length // bs)} entries "
-                             f"for {length} tokens of block size {bs}, got {len(hashes)}")
-        hashes = hashes[:n_full]
+        hashes = _as_hashes(block_hashes, length, bs)
     cache = worker.cache
-    hit = cache.match(hashes[:max(0, (length - 1) // bs)])
-    k = len(hit)
-    cache.lock(hashes[:k])
-    try:
-        result = prefill(worker, token_ids, hit)
-    except BaseException:
+    cache.validate_chain(hashes)
+    with cache.transaction():
+        hit = cache.match(hashes[:max(0, (length - 1) // bs)], touch=False)
+        k = len(hit)
+        cache.lock(hashes[:k])
+        result = prefill(worker, tokens, hit)
+        ids = hit + result.new_block_ids
+        canonical = cache.insert(hashes, ids[:n_full])  # touches the whole path (LRU)
+        cache.lock(hashes)
         cache.unlock(hashes[:k])
-        raise
-    ids = hit + result.new_block_ids
-    canonical = cache.insert(hashes, ids[:n_full])
-    cache.lock(hashes)
-    cache.unlock(hashes[:k])
-    return RequestResult(result.first_token, result.logits, canonical + ids[n_full:], k,
-                         k * bs, hashes)
+    tail = tuple(ids[n_full:])
+    request_id = next(_REQUEST_IDS)
+    worker.live_requests[request_id] = (hashes, tail)
+    return RequestResult(result.first_token, result.logits, canonical + list(tail), k, k * bs,
+                         hashes, request_id)
 
 
 def release_request(worker: Worker, result: RequestResult) -> None:
-    """Unlocks the request's cached blocks and frees its partial last block (if any)."""
-    worker.cache.unlock(result.locked_hashes)
+    """Unlocks the request's cached blocks and frees its partial last block (if any).
+
+    Raises ValueError, with nothing changed, when `result` is not a live request of `worker`
+    (already released, returned by another worker, or altered).
+    """
+    if not isinstance(result, RequestResult):
+        raise ValueError(f"result must be a RequestResult, got {type(result).__name__}")
+    live = worker.live_requests.get(result.request_id)
     n_full = len(result.locked_hashes)
-    worker.cache.free(n_full, result.block_ids[n_full:])
+    if live != (tuple(result.locked_hashes), tuple(result.block_ids[n_full:])):
+        raise ValueError(f"result (request_id {result.request_id}) is not a "
+                         "live request of this worker: already released, from another worker, "
+                         "or altered")
+    with worker.cache.transaction():
+        worker.cache.unlock(result.locked_hashes)
+        worker.cache.free(n_full, result.block_ids[n_full:])
+    del worker.live_requests[result.request_id]

@@ -14,60 +14,22 @@ BlockRemoved) that the scheduler's global trie consumes; `PrefixCache.replay` re
 tree and free lists from it.
 
 Only full blocks are cached; a request's last partial block is allocated, written and freed by
-its owner (`allocate` / `free`) without entering the tree.
+its owner (`allocate` / `free`) without entering the tree. Each block id of a rank is free, held
+by a caller, or owned by the tree, so a double free or a free of a cached block is rejected.
+Refcounts keep `parent.ref >= sum(child.ref)` (an unlock that would break it is rejected), and
+`transaction()` undoes every change of a failed multi-step operation (a request's match, lock,
+allocate with evictions, insert), events and LRU ages included.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import hashlib
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import numpy as np
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def chain_hashes(content_ids: Iterable[int], parent: int = 0) -> tuple[int, ...]:
-    """Chains per-block content ids: `h[k] = splitmix64((h[k-1] * 31) ^ splitmix64(id[k]))`.
-
-    The same formula as `serving.request.chain_block_hashes` (64-bit, deterministic across
-    processes), so hashes computed by the scheduler can be passed in precomputed.
-    """
-    out, h = [], int(parent) & _MASK64
-    for c in content_ids:
-        h = _splitmix64(((h * 31) & _MASK64) ^ _splitmix64(int(c) & _MASK64))
-        out.append(h)
-    return tuple(out)
-
-
-def block_content_id(tokens: Sequence[int]) -> int:
-    """64-bit id of one block's token ids: BLAKE2b-64 of their little-endian int32 bytes."""
-    data = np.asarray(tokens, dtype="<i4").tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> tuple[int, ...]:
-    """Chained hashes of the *full* blocks of a prompt: `len(token_ids) // block_size` ints.
-
-    Raises ValueError for `block_size < 1`.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    toks = np.asarray(token_ids, dtype=np.int64)
-    n = len(toks) // block_size
-    return chain_hashes((block_content_id(toks[i * block_size:(i + 1) * block_size])
-                         for i in range(n)), parent)
-
+from vertumnus_jax.block_hash import block_content_id, block_hashes, chain_hashes  # noqa: F401
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free KV blocks on some rank even after evicting every unreferenced block."""
@@ -102,6 +64,10 @@ class _Node:
 class PrefixCache:
     """Radix tree over chained block hashes, with per-rank free lists and LRU eviction.
 
+    Every block id of a rank is in exactly one of three states: free, held by a caller (returned
+    by `allocate`, not yet `insert`ed or `free`d), or owned by the tree (a cached node).
+    Mutations that fail raise with the cache unchanged (state, refcounts, LRU ages, events).
+
     Args:
       num_blocks: KV blocks per device (per rank), >= 1.
       cp_degree: the worker's CP degree C (ranks), a power of two >= 1. Block at sequence
@@ -123,9 +89,12 @@ class PrefixCache:
         self._nodes: dict[int, _Node] = {}
         self._free = [set(range(num_blocks)) for _ in range(cp_degree)]
         self._free_heap = [list(range(num_blocks)) for _ in range(cp_degree)]
+        self._held: list[set[int]] = [set() for _ in range(cp_degree)]  # caller-owned
+        self._owner: list[dict[int, _Node]] = [{} for _ in range(cp_degree)]  # tree-owned
         self._lru: list[tuple[int, int, int]] = []  # (last_access, seq, block_hash), lazy
         self._tick = 0
         self._seq = 0
+        self._undo: list[Callable[[], None]] | None = None  # journal of an open transaction
         self.events: list[CacheEvent] = []
 
     # ---- queries ------------------------------------------------------------------------------
@@ -138,6 +107,10 @@ class PrefixCache:
     def num_free(self, rank: int) -> int:
         """Free blocks on `rank`."""
         return len(self._free[rank])
+
+    def is_free(self, rank: int, block_id: int) -> bool:
+        """Whether block `block_id` of `rank` is free (neither held by a caller nor cached)."""
+        return block_id in self._free[rank]
 
     def refcount(self, block_hash: int) -> int:
         """Reference count of a cached block (KeyError when not cached)."""
@@ -163,16 +136,68 @@ class PrefixCache:
             path.append(node)
         return path
 
-    def match(self, hashes: Sequence[int]) -> list[int]:
+    def match(self, hashes: Sequence[int], *, touch: bool = True) -> list[int]:
         """Block ids of the longest cached leading run of `hashes` (block i on rank i % C).
 
-        Marks the matched blocks as accessed now (LRU). Does not lock them.
+        With `touch`, marks the matched blocks as accessed now (LRU). Does not lock them.
         """
         path = self._walk(hashes)
-        self._tick += 1
-        for node in path:
-            self._touch(node)
+        if touch:
+            self._tick += 1
+            for node in path:
+                self._touch(node)
         return [n.block_id for n in path]
+
+    def validate_chain(self, hashes: Sequence[int]) -> None:
+        """Checks that `hashes` can be a path from the root: no hash repeats, and every hash past
+        the cached leading run is not cached elsewhere in the tree.
+
+        Raises ValueError naming the offending hash and its index.
+        """
+        seen: set[int] = set()
+        for i, h in enumerate(int(x) for x in hashes):
+            if h in seen:
+                raise ValueError(f"block hash {h:#x} repeats at index {i} of the chain")
+            seen.add(h)
+        path = self._walk(hashes)
+        for i in range(len(path), len(hashes)):
+            h = int(hashes[i])
+            if h in self._nodes:
+                raise ValueError(f"block hash {h:#x} at index {i} is already cached under "
+                                 "another parent (not a hash chain from the root)")
+
+    # ---- transactions -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All-or-nothing block: when the body raises, every change made inside it (tree,
+        refcounts, LRU ages, free lists, held blocks, events) is undone before re-raising.
+        Nested transactions join the outermost one."""
+        if self._undo is not None:
+            yield
+            return
+        self._undo, n_events, tick = [], len(self.events), self._tick
+        try:
+            yield
+        except BaseException:
+            undo, self._undo = self._undo, None
+            for op in reversed(undo):
+                op()
+            del self.events[n_events:]
+            self._tick = tick
+            self._rebuild_heaps()
+            raise
+        finally:
+            self._undo = None
+
+    def _log(self, op: Callable[[], None]) -> None:
+        if self._undo is not None:
+            self._undo.append(op)
+
+    def _rebuild_heaps(self) -> None:
+        self._free_heap = [sorted(f) for f in self._free]
+        self._lru = []
+        for node in self._nodes.values():
+            self._push_if_evictable(node)
 
     # ---- reference counts ---------------------------------------------------------------------
     def lock(self, hashes: Sequence[int]) -> None:
@@ -183,17 +208,31 @@ class PrefixCache:
         path = self._path_or_raise(hashes)
         for node in path:
             node.ref += 1
+        self._log(lambda: self._add_refs(path, -1))
 
     def unlock(self, hashes: Sequence[int]) -> None:
         """Undoes one `lock(hashes)`.
 
-        Raises KeyError on an uncached path, ValueError on a block whose refcount is 0.
+        Raises KeyError on an uncached path, ValueError (nothing changed) on a block whose
+        refcount is 0, or when the path's last block would keep fewer references than its
+        children hold together (`hashes` is not a path that was locked, e.g. a prefix of one).
         """
         path = self._path_or_raise(hashes)
         if any(n.ref < 1 for n in path):
             raise ValueError("unlock of a block whose refcount is 0")
+        if path:
+            last = path[-1]
+            below = sum(c.ref for c in last.children.values())
+            if last.ref - 1 < below:
+                raise ValueError(
+                    f"unlock of block hash {last.block_hash:#x} would leave refcount "
+                    f"{last.ref - 1} below its children's {below}: unlock exactly a locked path")
+        self._add_refs(path, -1)
+        self._log(lambda: self._add_refs(path, +1))
+
+    def _add_refs(self, path: list[_Node], delta: int) -> None:
         for node in path:
-            node.ref -= 1
+            node.ref += delta
             self._push_if_evictable(node)
 
     def _path_or_raise(self, hashes):
@@ -204,12 +243,29 @@ class PrefixCache:
         return path
 
     # ---- allocation -----------------------------------------------------------------------------
+    def _evictable_per_rank(self) -> collections.Counter:
+        """Blocks per rank that eviction can free: nodes whose whole subtree is unreferenced."""
+        order, stack = [], [self._root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        clear: dict[int, bool] = {}
+        counts: collections.Counter = collections.Counter()
+        for node in reversed(order):  # children before parents
+            ok = node.ref == 0 and all(clear[id(c)] for c in node.children.values())
+            clear[id(node)] = ok
+            if ok and node is not self._root:
+                counts[node.rank] += 1
+        return counts
+
     def allocate(self, first_index: int, count: int) -> list[int]:
         """Free blocks for sequence indices `first_index .. first_index + count - 1`.
 
-        Block i comes from rank `i % C`. When a rank is short, unreferenced leaves are evicted in
-        LRU order (over all ranks) until every rank has enough. The caller owns the returned
-        blocks until it `insert`s or `free`s them.
+        Block i comes from rank `i % C`. When a rank is short, unreferenced leaves are evicted
+        in LRU order among those on a short rank (then, if none, among leaves whose eviction
+        uncovers an unreferenced block of a short rank) until every rank has enough. The
+        caller owns the returned blocks until it `insert`s or `free`s them.
 
         Raises:
           ValueError: for a negative `first_index` or `count`.
@@ -222,89 +278,141 @@ class PrefixCache:
         need = collections.Counter((first_index + k) % c for k in range(count))
         short = {r: need[r] - len(self._free[r]) for r in need if need[r] > len(self._free[r])}
         if short:
-            evictable = collections.Counter(n.rank for n in self._nodes.values() if n.ref == 0)
+            evictable = self._evictable_per_rank()
             lacking = {r: s - evictable[r] for r, s in short.items() if s > evictable[r]}
             if lacking:
                 detail = ", ".join(
                     f"rank {r}: needs {need[r]}, free {len(self._free[r])}, evictable "
                     f"{evictable[r]}" for r in sorted(lacking))
                 raise OutOfBlocksError(f"out of KV blocks ({self.num_blocks} per rank): {detail}")
-            while any(len(self._free[r]) < need[r] for r in need):
-                self._evict_one()
-        return [self._take((first_index + k) % c) for k in range(count)]
+        with self.transaction():
+            while True:
+                ranks = {r for r in need if len(self._free[r]) < need[r]}
+                if not ranks:
+                    break
+                self._evict_one(ranks)
+            return [self._take((first_index + k) % c) for k in range(count)]
 
     def free(self, first_index: int, block_ids: Sequence[int]) -> None:
-        """Returns owned, uncached blocks (block k at sequence index `first_index + k`).
+        """Returns blocks the caller holds (from `allocate`, not inserted): block k at sequence
+        index `first_index + k`, on rank `(first_index + k) % C`.
 
-        Raises ValueError for a block that is already free or out of range.
+        Raises ValueError, with nothing freed, for a block out of range, already free, owned by
+        the tree (cached: only eviction frees it), or listed twice.
         """
-        for k, b in enumerate(block_ids):
-            self._give((first_index + k) % self.cp_degree, int(b))
+        if first_index < 0:
+            raise ValueError(f"first_index must be >= 0, got {first_index}")
+        blocks = [((first_index + k) % self.cp_degree, int(b)) for k, b in enumerate(block_ids)]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block_ids lists a block twice: {list(block_ids)}")
+        for rank, b in blocks:
+            self._check_held(rank, b)
+        with self.transaction():
+            for rank, b in blocks:
+                self._give(rank, b)
+
+    def _check_held(self, rank: int, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id must be in [0, {self.num_blocks}), got {block_id}")
+        if block_id in self._free[rank]:
+            raise ValueError(f"block {block_id} on rank {rank} is already free")
+        if block_id in self._owner[rank]:
+            node = self._owner[rank][block_id]
+            raise ValueError(f"block {block_id} on rank {rank} is cached (block hash "
+                             f"{node.block_hash:#x}); only eviction frees it")
 
     def _take(self, rank: int, block_id: int | None = None) -> int:
         free = self._free[rank]
         if block_id is not None:
             if block_id not in free:
                 raise ValueError(f"block {block_id} on rank {rank} is not free")
-            free.discard(block_id)
-            return block_id
-        heap = self._free_heap[rank]
-        while True:
-            b = heapq.heappop(heap)
-            if b in free:
-                free.discard(b)
-                return b
+        else:
+            heap = self._free_heap[rank]
+            while True:
+                block_id = heapq.heappop(heap)
+                if block_id in free:
+                    break
+        free.discard(block_id)
+        self._held[rank].add(block_id)
+        self._log(lambda: (self._held[rank].discard(block_id), free.add(block_id)))
+        return block_id
 
     def _give(self, rank: int, block_id: int) -> None:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id must be in [0, {self.num_blocks}), got {block_id}")
-        if block_id in self._free[rank]:
-            raise ValueError(f"block {block_id} on rank {rank} is already free")
+        self._check_held(rank, block_id)
+        self._held[rank].discard(block_id)
         self._free[rank].add(block_id)
         heapq.heappush(self._free_heap[rank], block_id)
+        self._log(lambda: (self._free[rank].discard(block_id), self._held[rank].add(block_id)))
 
     # ---- insertion and eviction ---------------------------------------------------------------
     def insert(self, hashes: Sequence[int], block_ids: Sequence[int]) -> list[int]:
         """Caches the path `hashes` (from the root) whose blocks are `block_ids`.
 
         Blocks already cached keep their block; a given block that duplicates a cached one is
-        freed (the caller must own it). New blocks pass from the caller to the cache.
+        freed (the caller must hold it). New blocks pass from the caller to the cache.
 
         Returns:
           The cached block id of every hash (the existing ones where already cached).
 
-        Raises ValueError when the lengths differ.
+        Raises:
+          ValueError, with nothing changed: when the lengths differ, the hashes are not a chain
+            (`validate_chain`), or a block that is not already the cached one is not held by
+            the caller (free, cached elsewhere, or listed twice).
         """
         if len(hashes) != len(block_ids):
             raise ValueError(f"hashes ({len(hashes)}) and block_ids ({len(block_ids)}) differ "
                              "in length")
-        self._tick += 1
-        node, out = self._root, []
-        for i, (h, b) in enumerate(zip(hashes, block_ids, strict=True)):
-            h, b = int(h), int(b)
-            child = node.children.get(h)
-            if child is None:
-                child = self._add(node, h, i % self.cp_degree, b)
-            elif child.block_id != b:
-                self._give(child.rank, b)
-            self._touch(child)
-            out.append(child.block_id)
-            node = child
-        return out
+        hashes, block_ids = [int(h) for h in hashes], [int(b) for b in block_ids]
+        self.validate_chain(hashes)
+        path = self._walk(hashes)
+        given = [(i % self.cp_degree, b) for i, b in enumerate(block_ids)
+                 if i >= len(path) or path[i].block_id != b]
+        if len(set(given)) != len(given):
+            raise ValueError(f"block_ids lists a block twice: {block_ids}")
+        for rank, b in given:
+            self._check_held(rank, b)
+        with self.transaction():
+            self._tick += 1
+            node, out = self._root, []
+            for i, (h, b) in enumerate(zip(hashes, block_ids, strict=True)):
+                child = node.children.get(h)
+                if child is None:
+                    child = self._add(node, h, i % self.cp_degree, b)
+                elif child.block_id != b:
+                    self._give(child.rank, b)
+                self._touch(child)
+                out.append(child.block_id)
+                node = child
+            return out
 
     def _add(self, parent: _Node, h: int, rank: int, block_id: int) -> _Node:
         if h in self._nodes:
             raise ValueError(f"block hash {h:#x} is already cached under another parent")
+        if block_id not in self._held[rank]:
+            raise ValueError(f"block {block_id} on rank {rank} is not held by the caller")
         node = _Node(block_hash=h, parent=parent, depth=parent.depth + 1, rank=rank,
                      block_id=block_id)
-        parent.children[h] = node
-        self._nodes[h] = node
+        self._link(node)
+        self._held[rank].discard(block_id)
+        self._log(lambda: (self._unlink(node), self._held[rank].add(block_id)))
         self.events.append(CacheEvent(
             "insert", h, parent.block_hash if parent is not self._root else None, rank, block_id))
         return node
 
+    def _link(self, node: _Node) -> None:
+        node.parent.children[node.block_hash] = node
+        self._nodes[node.block_hash] = node
+        self._owner[node.rank][node.block_id] = node
+
+    def _unlink(self, node: _Node) -> None:
+        del node.parent.children[node.block_hash]
+        del self._nodes[node.block_hash]
+        del self._owner[node.rank][node.block_id]
+
     def _touch(self, node: _Node) -> None:
+        old = node.last_access
         node.last_access = self._tick
+        self._log(lambda: setattr(node, "last_access", old))
         self._push_if_evictable(node)
 
     def _push_if_evictable(self, node: _Node) -> None:
@@ -312,21 +420,45 @@ class PrefixCache:
             self._seq += 1
             heapq.heappush(self._lru, (node.last_access, self._seq, node.block_hash))
 
-    def _evict_one(self) -> None:
-        while self._lru:
-            access, _, h = heapq.heappop(self._lru)
-            node = self._nodes.get(h)
-            if node is None or node.ref or node.children or node.last_access != access:
-                continue  # stale entry
-            self._remove(node)
-            return
-        raise AssertionError("no evictable leaf although the feasibility check passed")
+    def _uncovers(self, node: _Node, ranks: set[int]) -> bool:
+        """Whether evicting leaf `node` and then its unreferenced ancestors frees a block on
+        one of `ranks`."""
+        while node is not self._root and node.ref == 0:
+            if node.rank in ranks:
+                return True
+            node = node.parent
+        return False
+
+    def _evict_one(self, ranks: set[int] | None = None) -> None:
+        """Evicts the LRU unreferenced leaf (on `ranks` when given; else, failing that, the LRU
+        leaf that uncovers a block of `ranks`). Raises OutOfBlocksError when there is none."""
+        skipped, fallback = [], None
+        try:
+            while self._lru:
+                entry = heapq.heappop(self._lru)
+                access, _, h = entry
+                node = self._nodes.get(h)
+                if node is None or node.ref or node.children or node.last_access != access:
+                    continue  # stale entry
+                skipped.append(entry)
+                if ranks is None or node.rank in ranks:
+                    self._remove(node)
+                    return
+                if fallback is None and self._uncovers(node, ranks):
+                    fallback = node
+        finally:
+            for entry in skipped:
+                heapq.heappush(self._lru, entry)
+        if fallback is None:
+            raise OutOfBlocksError(f"no evictable block for ranks {sorted(ranks or ())}")
+        self._remove(fallback)
 
     def _remove(self, node: _Node) -> None:
         parent = node.parent
-        del parent.children[node.block_hash]
-        del self._nodes[node.block_hash]
-        self._give(node.rank, node.block_id)
+        self._unlink(node)
+        self._free[node.rank].add(node.block_id)
+        heapq.heappush(self._free_heap[node.rank], node.block_id)
+        self._log(lambda: (self._free[node.rank].discard(node.block_id), self._link(node)))
         self.events.append(CacheEvent(
             "evict", node.block_hash, parent.block_hash if parent is not self._root else None,
             node.rank, node.block_id))
@@ -351,8 +483,10 @@ class PrefixCache:
                ) -> PrefixCache:
         """A fresh cache with `events` applied in order (same tree and free lists).
 
-        Raises ValueError on an event inconsistent with the state (unknown parent, block not
-        free, eviction of an unknown block or of a non-leaf).
+        Raises ValueError on an event inconsistent with the state: an insert under an unknown
+        parent, of a hash already cached, on a rank other than `depth % C`, or of a block that
+        is not free; an evict of an unknown block, of a non-leaf, or whose parent, rank or
+        block id differ from the cached node's; an unknown kind.
         """
         cache = cls(num_blocks, cp_degree)
         for ev in events:
@@ -360,13 +494,28 @@ class PrefixCache:
                 parent = cache._root if ev.parent_hash is None else cache._nodes.get(ev.parent_hash)
                 if parent is None:
                     raise ValueError(f"insert of {ev.block_hash:#x} under unknown parent")
-                cache._take(ev.rank, ev.block_id)
+                rank = (parent.depth + 1) % cache.cp_degree
+                if ev.rank != rank:
+                    raise ValueError(f"insert of {ev.block_hash:#x} at depth {parent.depth + 1} "
+                                     f"must be on rank {rank}, got {ev.rank}")
+                if ev.block_hash in cache._nodes:
+                    raise ValueError(f"insert of {ev.block_hash:#x}: already cached")
+                if not 0 <= ev.block_id < num_blocks:
+                    raise ValueError(f"insert of {ev.block_hash:#x}: block id must be in "
+                                     f"[0, {num_blocks}), got {ev.block_id}")
+                cache._take(rank, ev.block_id)
                 cache._tick += 1
-                cache._touch(cache._add(parent, ev.block_hash, ev.rank, ev.block_id))
+                cache._touch(cache._add(parent, ev.block_hash, rank, ev.block_id))
             elif ev.kind == "evict":
                 node = cache._nodes.get(ev.block_hash)
                 if node is None or node.children:
                     raise ValueError(f"evict of {ev.block_hash:#x}: unknown block or not a leaf")
+                parent = node.parent.block_hash if node.parent is not cache._root else None
+                if (ev.parent_hash, ev.rank, ev.block_id) != (parent, node.rank, node.block_id):
+                    raise ValueError(
+                        f"evict of {ev.block_hash:#x}: (parent, rank, block) "
+                        f"{(ev.parent_hash, ev.rank, ev.block_id)} differ from the cached "
+                        f"{(parent, node.rank, node.block_id)}")
                 cache._remove(node)
             else:
                 raise ValueError(f"event kind must be 'insert' or 'evict', got {ev.kind!r}")

@@ -1,7 +1,9 @@
 """One CP worker: a submesh of C devices with the weights replicated, a KV pool and a prefix cache.
 
 The worker is plain state; `vertumnus_jax.prefill` runs prefill on it. Compiled prefill
-executables are kept per (device set, C, padded new-token bucket, cached-prefix bucket).
+executables are kept per (device set, C, padded new-token bucket, cached-prefix bucket), and the
+requests `prefill_request` returned and `release_request` has not yet retired are tracked in
+`live_requests` (so a double or foreign release is rejected).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Worker:
         self.block_sizes, self.interpret = block_sizes, interpret
         self.min_bucket = int(min_bucket)
         self.executables: dict[tuple, object] = {}
+        # Live requests of `prefill_request`: request_id -> (locked hashes, held tail blocks).
+        self.live_requests: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def device_ids(self) -> tuple[int, ...]:

@@ -116,6 +116,47 @@ def test_missing_or_misshaped_tensor_is_named(tmp_path):
         load_hf_checkpoint(tmp_path / "nowhere")
 
 
+def _expect(tmp_path, name, tensors, match, **config_fields):
+    cfg = ModelConfig.tiny()
+    path = write_hf(tmp_path / name, cfg, tensors)
+    if config_fields:
+        hf = {**cfg.to_hf_config(), **config_fields}
+        (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_checkpoint(path)
+
+
+def test_unexpected_duplicated_and_non_float_tensors_are_named(tmp_path):
+    cfg = ModelConfig.tiny()  # 2 layers, untied
+    base = hf_tensors(cfg, seed=1)
+    up = "model.layers.0.mlp.up_proj.weight"
+    _expect(tmp_path, "layer2", {**base, "model.layers.2.mlp.up_proj.weight": base[up]},
+            r"unexpected tensor\(s\) 'model.layers.2.mlp.up_proj.weight' \(layer 2 >= "
+            r"num_hidden_layers=2\)")
+    _expect(tmp_path, "bias", {**base, "model.layers.0.self_attn.q_proj.bias":
+                               np.ones(64, np.float32)}, "'model.layers.0.self_attn.q_proj.bias'")
+    _expect(tmp_path, "fp8", {**base, up + "_scale_inv": np.ones((1, 1), np.float32)},
+            f"'{up}_scale_inv' \\(quantised checkpoints are not supported\\)")
+    _expect(tmp_path, "quant", base, "quantization_config",
+            quantization_config={"quant_method": "fp8"})
+    _expect(tmp_path, "int", {**base, up: base[up].astype(np.int32)}, f"'{up}' has dtype int32")
+    _expect(tmp_path, "tied", base, "'lm_head.weight' differs", tie_word_embeddings=True)
+    stale = write_hf(tmp_path / "stale", cfg, base, shards=2)
+    safetensors_numpy.save_file({"model.norm.weight": base["model.norm.weight"] + 1},
+                                str(stale / "zz-stale.safetensors"))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is in two files: "
+                                              "model-00001-of-00002.safetensors and zz-stale"):
+        load_hf_checkpoint(stale)
+    # A tied checkpoint may carry an identical copy of the embedding as lm_head.weight.
+    tied = ModelConfig.tiny(tie_word_embeddings=True)
+    plain = hf_tensors(tied, seed=1)
+    with_head = {**plain, "lm_head.weight": plain["model.embed_tokens.weight"]}
+    got = [nnx.to_pure_dict(nnx.state(load_hf_checkpoint(write_hf(tmp_path / n, tied, t))))
+           for n, t in (("plain", plain), ("with_head", with_head))]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got[0], got[1])
+    np.testing.assert_array_equal(got[0]["embed_tokens"], plain["model.embed_tokens.weight"])
+
+
 def test_orbax_round_trip(tmp_path):
     cfg = ModelConfig.tiny_moe(mlp_only_layers=(0,))
     model = init_model(cfg, seed=4)

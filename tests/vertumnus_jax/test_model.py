@@ -88,3 +88,29 @@ def test_config_validation_and_hf_round_trip():
     del hf["vocab_size"]
     with pytest.raises(ValueError, match="'vocab_size'"):
         ModelConfig.from_hf_config(hf)
+
+
+def test_hf_config_nulls_and_unsupported_features():
+    hf = ModelConfig.tiny(num_kv_heads=4).to_hf_config()
+    # As in transformers: a null num_key_value_heads means multi-head attention.
+    assert ModelConfig.from_hf_config({**hf, "num_key_value_heads": None}).num_kv_heads == 4
+    assert ModelConfig.from_hf_config({**hf, "head_dim": None}).head_dim == 64 // 4
+    assert ModelConfig.from_hf_config(
+        {**hf, "rope_theta": None, "rope_parameters": {"rope_type": "default",
+                                                       "rope_theta": 500.0}}).rope_theta == 500.0
+    bad = {
+        "'rms_norm_eps' must not be null": {"rms_norm_eps": None},
+        "rope_scaling rope_type must be 'default'": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+            "rope_scaling": {"type": "linear", "factor": 2.0}},
+        "rope_parameters rope_type must be 'default'": {
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10_000.0}},
+        "layer_types must all be 'full_attention'": {
+            "layer_types": ["sliding_attention", "full_attention"]},
+        "quantization_config": {"quantization_config": {"quant_method": "fp8"}},
+        "'vocab_size' must be a JSON int": {"vocab_size": "256"},
+        "rope_theta .* differ": {"rope_parameters": {"rope_theta": 5.0}},
+    }
+    for message, fields in bad.items():
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf_config({**hf, **fields})

@@ -9,6 +9,8 @@ Prompts are 200 tokens with 16-token blocks: 12 full blocks and a partial one of
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from mesh import worker_mesh
 from vertumnus_jax.config import ModelConfig
 from vertumnus_jax.model import full_prefill, init_model
 from vertumnus_jax.prefill import (
+    as_token_ids,
     bucket_length,
     prefill,
     prefill_request,
@@ -114,3 +117,92 @@ def test_out_of_blocks_and_bad_input_leave_worker_unchanged(model):
     with pytest.raises(ValueError, match="block_hashes must have 12 or 13"):
         prefill_request(worker, toks, block_hashes=[1, 2])
     assert worker.cache.state() == before
+
+
+def _snapshot(cache):
+    refs = {h: cache.refcount(h) for h in cache.state()["nodes"]}
+    return cache.state(), refs, list(cache.events)
+
+
+def _small_worker(model, device, num_blocks):
+    return Worker(worker_mesh(jax.devices(), device, 1), model, num_blocks=num_blocks,
+                  block_size=4)
+
+
+def _fill(cache, *token_lists):
+    """Caches each prompt's full blocks in order (older first), unreferenced."""
+    hashes = []
+    for toks in token_lists:
+        h = block_hashes(toks, 4)
+        cache.insert(h, cache.allocate(0, len(h)))
+        hashes.append(h)
+    return hashes
+
+
+def test_bad_tokens_and_hashes_are_rejected_before_any_change(model):
+    worker = _small_worker(model, 1, 8)
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 256, 8)
+    ha = _fill(worker.cache, a)[0]
+    before = _snapshot(worker.cache)
+    bad_tokens = [None, 5, "ab", [], [1.0, 2.0], [True, 3], np.arange(8).reshape(4, 2),
+                  np.array([1.5]), [[1, 2]], [2 ** 70], [3, 256], [-1]]
+    for toks in bad_tokens:
+        with pytest.raises(ValueError, match="token_ids"):
+            prefill_request(worker, toks)
+    toks = np.concatenate([a, rng.integers(0, 256, 5)])  # 3 full blocks + 1 token
+    bad_hashes = {"repeats at index 1": [5, 5, 6],
+                  "already cached under another parent": [9, ha[0], 7],
+                  "must have 3 or 4 entries": [1, 2],
+                  r"ints in \[0, 2\*\*64\)": [1, 2, -3],
+                  "ints in": [1, 2.0, 3]}
+    for message, hashes in bad_hashes.items():
+        with pytest.raises(ValueError, match=message):
+            prefill_request(worker, toks, block_hashes=hashes)
+    assert _snapshot(worker.cache) == before and not worker.live_requests
+    want = [3, 0, 255]
+    for ok in (want, np.array(want, np.uint8), [np.int64(3), 0, np.int32(255)], tuple(want)):
+        np.testing.assert_array_equal(as_token_ids(ok, 256), np.array(want, np.int64))
+
+
+def test_failed_requests_leave_cache_and_lru_ages_unchanged(model, monkeypatch):
+    worker = _small_worker(model, 2, 4)
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 256, 8), rng.integers(0, 256, 8)
+    ha, hb = _fill(worker.cache, a, b)  # pool full; a is the LRU sequence
+    before = _snapshot(worker.cache)
+    with pytest.raises(OutOfBlocksError):  # hits a's 2 blocks, needs 5 more: only b evictable
+        prefill_request(worker, np.concatenate([a, rng.integers(0, 256, 20)]))
+    assert _snapshot(worker.cache) == before
+    probe = copy.deepcopy(worker.cache)
+    probe.allocate(0, 1)  # the failed hit did not refresh a: a is still the LRU sequence
+    assert [(e.kind, e.block_hash) for e in probe.drain_events()[-1:]] == [("evict", ha[1])]
+    # A failure after the allocation (which evicted a) undoes the eviction and the allocation.
+    monkeypatch.setattr(worker, "sharded", lambda x: (_ for _ in ()).throw(RuntimeError("io")))
+    with pytest.raises(RuntimeError, match="io"):
+        prefill_request(worker, rng.integers(0, 256, 8))
+    assert _snapshot(worker.cache) == before and not worker.live_requests
+    worker.cache.allocate(0, 1)  # a was neither touched nor lost: it is still the LRU leaf
+    assert [(e.kind, e.block_hash) for e in worker.cache.drain_events()[-1:]] == [
+        ("evict", ha[1])]
+    assert hb[1] in worker.cache
+
+
+def test_release_request_rejects_double_and_foreign_release(model):
+    worker = _small_worker(model, 3, 4)
+    rng = np.random.default_rng(4)
+    first = prefill_request(worker, rng.integers(0, 256, 3))  # only a partial block
+    release_request(worker, first)
+    second = prefill_request(worker, rng.integers(0, 256, 12))  # 3 full blocks, cached
+    assert second.block_ids[0] == first.block_ids[0]  # the freed block was reused
+    before = _snapshot(worker.cache)
+    with pytest.raises(ValueError, match="not a live request"):
+        release_request(worker, first)  # would free a block the tree owns
+    other = _small_worker(model, 4, 4)
+    with pytest.raises(ValueError, match="not a live request"):
+        release_request(other, second)
+    assert _snapshot(worker.cache) == before
+    assert [worker.cache.refcount(h) for h in second.locked_hashes] == [1, 1, 1]
+    release_request(worker, second)
+    assert [worker.cache.refcount(h) for h in second.locked_hashes] == [0, 0, 0]
+    assert not worker.live_requests

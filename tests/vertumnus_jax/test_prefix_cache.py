@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
 from serving.request import chain_block_hashes
 from vertumnus_jax.prefix_cache import (
+    CacheEvent,
     OutOfBlocksError,
     PrefixCache,
     block_content_id,
@@ -106,8 +109,13 @@ def test_lock_errors():
     cache.insert(h, cache.allocate(0, 2))
     with pytest.raises(ValueError, match="refcount is 0"):
         cache.unlock(h)
+    held = cache.allocate(0, 1)[0]
+    with pytest.raises(ValueError, match="twice"):
+        cache.free(0, [held, held])
+    assert not cache.is_free(0, held)  # nothing freed by the rejected call
+    cache.free(0, [held])
     with pytest.raises(ValueError, match="already free"):
-        cache.free(0, [cache.allocate(0, 1)[0]] * 2)
+        cache.free(0, [held])
 
 
 def test_event_stream_replays_to_same_state():
@@ -134,3 +142,109 @@ def test_event_stream_replays_to_same_state():
     replayed = PrefixCache.replay(10, 2, events)
     assert replayed.state() == cache.state()
     assert len(replayed) == len(cache) > 0
+
+
+def _snapshot(cache):
+    refs = {h: cache.refcount(h) for h in cache.state()["nodes"]}
+    return cache.state(), refs, list(cache.events)
+
+
+def test_free_rejects_cached_blocks_and_insert_validates_first():
+    cache = PrefixCache(num_blocks=4, cp_degree=1)
+    h = chain_hashes([1, 2])
+    ids = cache.allocate(0, 2)
+    cache.insert(h, ids)
+    spare = cache.allocate(0, 1)
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=f"block {ids[0]} on rank 0 is cached"):
+        cache.free(0, [ids[0]])  # owned by the tree: freeing it would alias a cached block
+    with pytest.raises(ValueError, match="repeats at index 1"):
+        cache.insert([5, 5], spare + spare)
+    with pytest.raises(ValueError, match=f"{h[1]:#x} at index 0 is already cached under "
+                                         "another parent"):
+        cache.insert([h[1]], spare)
+    with pytest.raises(ValueError, match="already free"):
+        cache.insert([7], [3])  # block 3 was never allocated
+    with pytest.raises(ValueError, match="is cached"):
+        cache.insert([7], [ids[1]])  # a block the tree owns under another hash
+    assert _snapshot(cache) == before
+    assert cache.insert([7], spare) == spare  # the held block is still the caller's
+
+
+def test_unlock_of_a_path_that_was_not_locked_is_rejected():
+    cache = PrefixCache(num_blocks=2, cp_degree=1)
+    h = chain_hashes([1, 2])
+    cache.insert(h, cache.allocate(0, 2))
+    cache.lock(h)
+    with pytest.raises(ValueError, match="below its children's 1"):
+        cache.unlock(h[:1])  # would leave the parent unreferenced under a referenced child
+    assert [cache.refcount(x) for x in h] == [1, 1]
+    before = _snapshot(cache)
+    with pytest.raises(OutOfBlocksError, match="evictable 0"):
+        cache.allocate(0, 1)
+    assert _snapshot(cache) == before
+    cache.lock(h[:1])  # a lock of the prefix alone may be undone alone
+    cache.unlock(h[:1])
+    cache.unlock(h)
+    assert [cache.refcount(x) for x in h] == [0, 0] and len(cache.allocate(0, 2)) == 2
+
+
+def test_eviction_frees_only_blocks_of_the_short_rank():
+    cache = PrefixCache(num_blocks=2, cp_degree=2)
+    x = chain_hashes([10])  # rank 0, least recently used
+    y = chain_hashes([20, 21])  # ranks 0, 1
+    cache.insert(x, cache.allocate(0, 1))
+    cache.insert(y, cache.allocate(0, 2))
+    cache.allocate(1, 1)  # rank 1's last free block
+    cache.drain_events()
+    cache.allocate(1, 1)  # rank 1 short: the global LRU leaf x (rank 0) would not help
+    assert [(e.kind, e.block_hash, e.rank) for e in cache.drain_events()] == [
+        ("evict", y[1], 1)]
+    assert x[0] in cache and y[0] in cache
+
+    # No leaf on the short rank: evict the LRU leaf that uncovers one, not the global LRU leaf.
+    cache = PrefixCache(num_blocks=2, cp_degree=2)
+    a, b = chain_hashes([1, 2]), chain_hashes([3, 4])  # ranks 0, 1 each; a older
+    cache.insert(a, cache.allocate(0, 2))
+    cache.insert(b, cache.allocate(0, 2))
+    cache.lock(a[:1])  # a[1] stays evictable but freeing it uncovers no rank-0 block
+    cache.drain_events()
+    cache.allocate(0, 1)
+    assert [(e.block_hash, e.rank) for e in cache.drain_events()] == [(b[1], 1), (b[0], 0)]
+    assert a[1] in cache
+
+
+def test_failed_transaction_restores_tree_refcounts_lru_and_events():
+    cache = PrefixCache(num_blocks=4, cp_degree=2)
+    seqs = [chain_hashes([s, s + 1, s + 2]) for s in (0, 10)]
+    for h in seqs:
+        cache.insert(h, cache.allocate(0, 3))
+    twin = copy.deepcopy(cache)
+    before = _snapshot(cache)
+    with pytest.raises(RuntimeError, match="boom"), cache.transaction():
+        cache.match(seqs[0])  # would make seqs[1] the LRU sequence
+        cache.lock(seqs[0][:1])
+        new = cache.allocate(0, 3)  # evicts
+        cache.insert(chain_hashes([99, 98, 97]), new)
+        raise RuntimeError("boom")
+    assert _snapshot(cache) == before
+    for c in (cache, twin):  # afterwards both evict alike (LRU ages were restored too)
+        c.drain_events()
+        c.allocate(0, 2)
+    assert cache.drain_events() == twin.drain_events() != []
+
+
+def test_replay_rejects_inconsistent_events():
+    good = [CacheEvent("insert", 1, None, 0, 0), CacheEvent("insert", 2, 1, 1, 0)]
+    assert PrefixCache.replay(2, 2, good).state()["nodes"] == {1: (None, 0, 0), 2: (1, 1, 0)}
+    bad = {
+        "must be on rank 1": good[:1] + [CacheEvent("insert", 2, 1, 0, 1)],
+        "already cached": good + [CacheEvent("insert", 2, None, 0, 1)],
+        r"block id must be in \[0, 2\)": [CacheEvent("insert", 1, None, 0, 7)],
+        "differ from the cached": good + [CacheEvent("evict", 2, 1, 1, 1)],  # wrong block
+        "differ from the cached ": good + [CacheEvent("evict", 2, None, 1, 0)],  # parent
+        "not a leaf": good + [CacheEvent("evict", 1, None, 0, 0)],
+    }
+    for message, events in bad.items():
+        with pytest.raises(ValueError, match=message.strip()):
+            PrefixCache.replay(2, 2, events)
