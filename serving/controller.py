@@ -4,7 +4,11 @@ Demand is measured as the *predicted prefill GPU-seconds arriving per second* (e
 weighs `C_min * T(C_min, L, h)`, so long prompts count by their work, i.e. token-weighted),
 divided by the pool's capacity (its GPU count), and smoothed over a sliding window:
 
-    load(t) = sum_{arrivals in (t - window, t]} C_min * T(C_min, L_i, h_i) / (window * num_gpus)
+    load(t) = max(sum_{arrivals in (t - window, t]} C_min * T(C_min, L_i, h_i) / (window * num_gpus),
+                  sum_w C_w * Q_w(t) / (window * num_gpus))
+
+with h_i the prefix the chosen worker is expected to hold and Q_w the reserved, unfinished work
+of worker w (the second term keeps a backlog from looking like low demand).
 
 - load above `upper` for `hold_s` -> **split** one worker of degree 2C into two of degree C
   (more, smaller workers: more parallel queues, less GPU time lost to small prompts), but only
@@ -12,9 +16,13 @@ divided by the pool's capacity (its GPU count), and smoothed over a sliding wind
   at C, from the cost model over the window's arrivals) at least `1 + min_split_gain`;
 - load below `lower` for `hold_s` -> **merge** two buddy workers of degree C into one 2C
   (fewer, faster workers: lower TTFT when queues are short);
-- load stable (within `stable_band` of the load when the long-request share was last reset)
-  and the token share of long requests (`>= long_threshold` tokens) rising by more than
-  `long_share_rise` -> **merge**.
+- load stable (within `stable_band` of the load when the long-request share was last reset),
+  not above `upper`, and the token share of long requests (`>= long_threshold` tokens) rising
+  by more than `long_share_rise` -> **merge**;
+- load below `upper - merge_margin` for `hold_s` and a merge that costs at most
+  `min_split_gain` of capacity for the current mix -> **merge** (larger degrees cut TTFT; when
+  CP scales well for the mix they cost nothing, and the pool returns to large workers as soon
+  as the load allows, the state `initial_composition` also prefers).
 
 Candidates are ranked by predicted drain interval (the outstanding work of the workers
 concerned, seconds), then by the KV reconciliation traffic the change implies (cached blocks
@@ -49,25 +57,28 @@ class ControllerConfig:
     lower: float = 0.35
     window_s: float = 30.0
     hold_s: float = 10.0
-    cooldown_s: float = 20.0
+    cooldown_s: float = 10.0
     long_threshold: int = 16384
     long_share_rise: float = 0.2
     stable_band: float = 0.15
     min_degree: int = 1
     max_degree: int = 8
     min_split_gain: float = 0.03
+    merge_margin: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("upper", "lower", "window_s", "hold_s", "cooldown_s", "long_share_rise",
-                     "stable_band", "min_split_gain"):
+                     "stable_band", "min_split_gain", "merge_margin"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         for name in ("min_degree", "max_degree"):
             c = getattr(self, name)
             if not isinstance(c, int) or c < 1 or c & (c - 1):
                 raise ValueError(f"{name} must be a power of two >= 1, got {c!r}")
-        if self.long_threshold < 1 or self.stable_band < 0 or self.min_split_gain < 0:
-            raise ValueError("long_threshold >= 1, stable_band >= 0 and min_split_gain >= 0 required")
+        if (self.long_threshold < 1 or self.stable_band < 0 or self.min_split_gain < 0
+                or self.merge_margin < 0):
+            raise ValueError("long_threshold >= 1 and stable_band, min_split_gain, merge_margin "
+                             ">= 0 required")
         if not 0 <= self.lower < self.upper:
             raise ValueError(f"need 0 <= lower < upper, got lower={self.lower}, upper={self.upper}")
         if not self.window_s > 0:
@@ -106,6 +117,8 @@ class ReconfigurationController:
         self._tokens = 0
         self._long_tokens = 0
         self._high_since: float | None = None
+        self._calm_since: float | None = None
+        self._gain_memo: dict[tuple, float] = {}
         self._low_since: float | None = None
         self._quiet_until = 0.0
         self._ref_share: float | None = None
@@ -115,18 +128,22 @@ class ReconfigurationController:
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
-        scheduler.submit_hooks.append(self.observe)
+        scheduler.placement_hooks.append(self.observe)
         scheduler.tick_hooks.append(self.tick)
 
     # ------------------------------------------------------------------------- demand
-    def observe(self, request: Request, now: float) -> None:
-        """Counts an arrival's predicted GPU-seconds at the smallest degree."""
+    def observe(self, request: Request, cached_len: int, now: float) -> None:
+        """Counts a placed request's predicted GPU-seconds at the smallest degree.
+
+        `cached_len` is the prefix the chosen worker is expected to hold (cached or promised
+        by its queue), so demand counts the work the pool will really do, not what an
+        unbounded cache would save.
+        """
         s = self._scheduler
         c = self.config.min_degree
-        h = s.prefix_index.global_match_blocks(request.block_hashes, request.max_cacheable_blocks)
-        gpu_s = c * s.cost_model.predict(c, request.input_len, h * request.block_size)
+        gpu_s = c * s.cost_model.predict(c, request.input_len, cached_len)
         is_long = request.input_len >= self.config.long_threshold
-        self._arrivals.append((now, gpu_s, request.input_len, is_long, h * request.block_size))
+        self._arrivals.append((now, gpu_s, request.input_len, is_long, cached_len))
         self.longest = max(self.longest, request.input_len)
         self._gpu_s += gpu_s
         self._tokens += request.input_len
@@ -148,6 +165,15 @@ class ReconfigurationController:
         self._expire(now)
         return self._gpu_s / (self.config.window_s * self.num_gpus)
 
+    def backlog(self, scheduler, now: float) -> float:
+        """Outstanding reserved work as a load: `sum_w C_w * Q_w / (window_s * num_gpus)`.
+
+        Arrivals alone miss a queue that built up earlier (a burst, or the end of an overload):
+        the pool must not merge, and may need to split, while that work is waiting.
+        """
+        work = sum(w.cp_degree * w.outstanding_seconds(now) for w in scheduler.workers.values())
+        return work / (self.config.window_s * self.num_gpus)
+
     def long_share(self, now: float) -> float:
         """Token share of long requests among the window's arrivals."""
         self._expire(now)
@@ -157,11 +183,13 @@ class ReconfigurationController:
     def tick(self, scheduler, now: float) -> None:
         """Decides at most one split or merge (the scheduler's periodic hook)."""
         cfg = self.config
-        load, share = self.load(now), self.long_share(now)
+        load, share = max(self.load(now), self.backlog(scheduler, now)), self.long_share(now)
         self._high_since = (self._high_since if self._high_since is not None else now) \
             if load > cfg.upper else None
         self._low_since = (self._low_since if self._low_since is not None else now) \
             if load < cfg.lower else None
+        self._calm_since = (self._calm_since if self._calm_since is not None else now) \
+            if load < cfg.upper - cfg.merge_margin else None
         if self._ref_share is None or abs(load - self._ref_load) > cfg.stable_band:
             self._ref_share, self._ref_load = share, load
         if scheduler.reconfigurations or now < self._quiet_until:
@@ -171,15 +199,18 @@ class ReconfigurationController:
             op, reason = self._split(scheduler, now), "load above upper threshold"
         elif self._low_since is not None and now - self._low_since >= cfg.hold_s:
             op, reason = self._merge(scheduler, now), "load below lower threshold"
-        elif share - self._ref_share > cfg.long_share_rise:
+        elif share - self._ref_share > cfg.long_share_rise and load <= cfg.upper:
             op, reason = self._merge(scheduler, now), "long-request share rising"
+        elif self._calm_since is not None and now - self._calm_since >= cfg.hold_s:
+            op = self._merge(scheduler, now, max_loss=cfg.min_split_gain)
+            reason = "merging costs no capacity at this load"
         else:
             return
         if op is None:
             return
         rec = scheduler.begin_reconfiguration(*op, now)
         self._quiet_until = now + cfg.cooldown_s
-        self._high_since = self._low_since = None
+        self._high_since = self._low_since = self._calm_since = None
         self._ref_share, self._ref_load = share, load
         self.decisions.append({"time": now, "kind": rec.kind, "reason": reason, "load": load,
                                "long_share": share, "old": list(rec.old_ids),
@@ -190,7 +221,7 @@ class ReconfigurationController:
         traffic = sum(scheduler.prefix_index.num_blocks(w.worker_id) for w in workers)
         return drain, traffic
 
-    def split_gain(self, scheduler, cp_degree: int, max_samples: int = 256) -> float:
+    def split_gain(self, scheduler, cp_degree: int, max_samples: int = 128) -> float:
         """Capacity gained by serving the window's requests at C/2 instead of C.
 
         `sum_i C * T(C, L_i, h_i) / sum_i (C/2) * T(C/2, L_i, h_i)` over (up to `max_samples`
@@ -201,6 +232,9 @@ class ReconfigurationController:
         arrivals = self._arrivals
         if not arrivals or cp_degree < 2:
             return 1.0
+        key = (cp_degree, len(arrivals), arrivals[0][0], arrivals[-1][0])
+        if key in self._gain_memo:  # same window, same answer (called per candidate per tick)
+            return self._gain_memo[key]
         step = max(1, len(arrivals) // max_samples)
         predict, half = scheduler.cost_model.predict, cp_degree // 2
         big = small = 0.0
@@ -208,7 +242,11 @@ class ReconfigurationController:
             _, _, n, _, h = arrivals[k]
             big += cp_degree * predict(cp_degree, n, h)
             small += half * predict(half, n, h)
-        return big / small if small > 0 else 1.0
+        gain = big / small if small > 0 else 1.0
+        if len(self._gain_memo) > 64:
+            self._gain_memo.clear()
+        self._gain_memo[key] = gain
+        return gain
 
     def _split(self, scheduler, now):
         cands = [w for w in scheduler.workers.values()
@@ -227,9 +265,11 @@ class ReconfigurationController:
         new = split_halves(w.spec, scheduler.new_worker_ids(2), self.max_input_len)
         return "split", [w.worker_id], list(new)
 
-    def _merge(self, scheduler, now):
+    def _merge(self, scheduler, now, max_loss: float | None = None):
         active = [w for w in scheduler.workers.values()
-                  if w.status is WorkerStatus.ACTIVE and 2 * w.cp_degree <= self.config.max_degree]
+                  if w.status is WorkerStatus.ACTIVE and 2 * w.cp_degree <= self.config.max_degree
+                  and (max_loss is None
+                       or self.split_gain(scheduler, 2 * w.cp_degree) <= 1 + max_loss)]
         pairs = [(a, b) for a, b in itertools.combinations(active, 2) if are_buddies(a.spec, b.spec)]
         if not pairs:
             return None

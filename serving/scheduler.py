@@ -132,6 +132,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
         self.tick_hooks: list[Callable[[Scheduler, float], None]] = []
         self.submit_hooks: list[Callable[[Request, float], None]] = []
+        # Called after each placement with (request, expected cached tokens, now).
+        self.placement_hooks: list[Callable[[Request, int, float], None]] = []
         self.reconfigurations: dict[int, Reconfiguration] = {}  # by epoch, in progress
         self.reconfiguration_log: list[dict] = []  # finished ones, for reports
         self._next_worker_id = max(ids) + 1
@@ -275,6 +277,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             self.pending.add(worker.worker_id, request.block_hashes[:request.full_blocks])
         worker.queue.append(request)
         worker.queued_seconds += estimate
+        for hook in self.placement_hooks:
+            hook(request, cached, now)
         if worker.running is None:
             self._dispatch(worker, now)
         return worker.worker_id

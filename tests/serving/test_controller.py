@@ -172,7 +172,7 @@ def test_controller_never_splits_the_last_worker_that_holds_the_longest_prompt()
     s = Scheduler(specs, LinearCost(), LeastWorkRouter(), B())
     ctl = ReconfigurationController(ControllerConfig(min_degree=1, max_degree=4), 8, max_len)
     ctl.attach(s)
-    ctl.observe(Request("long", 0.0, 3500, 1, chain_block_hashes(range(7)), 512), 0.0)
+    ctl.observe(Request("long", 0.0, 3500, 1, chain_block_hashes(range(7)), 512), 0, 0.0)
     s.workers[1].queued_seconds = s.workers[2].queued_seconds = 5.0  # the CP-4 is the idlest
     kind, old, new = ctl._split(s, 1.0)
     assert old == [1] and [w.cp_degree for w in new] == [1, 1]  # a CP-2 is split, not the CP-4
@@ -197,7 +197,7 @@ def test_split_gain_from_the_cost_model():
         ctl.attach(s)
         lengths = [300, 2000, 9000]
         for i, n in enumerate(lengths):
-            ctl.observe(Request(i, 0.0, n, 1, chain_block_hashes(range(num_blocks(n, 512))), 512), 0.0)
+            ctl.observe(Request(i, 0.0, n, 1, chain_block_hashes(range(num_blocks(n, 512))), 512), 0, 0.0)
         gain = ctl.split_gain(s, 4)
         if want is not None:
             assert gain == pytest.approx(want)
@@ -236,3 +236,35 @@ def test_config_and_router_edges():
     with pytest.raises(ValueError, match="no finite placement cost"):
         s.submit(Request("r", 0.0, 100, 1, chain_block_hashes([1]), 512), 0.0)
     assert s.num_in_flight == 0 and all(not w.queue for w in s.workers.values())
+
+
+def test_merges_back_when_merging_costs_no_capacity():
+    from serving.scheduler import Scheduler
+
+    class PerfectCP:
+        def predict(self, c, n, h):
+            return (n - h) / c / 1000
+
+    class B:
+        def __init__(self):
+            self.recarves = []
+
+        def start_prefill(self, *a):
+            pass
+
+        def recarve(self, rec, now):
+            self.recarves.append(rec)
+
+    b = B()
+    s = Scheduler(layout_workers([2, 2, 2, 2], 100, 100_000), PerfectCP(), LeastWorkRouter(), b)
+    ctl = ReconfigurationController(ControllerConfig(upper=0.75, merge_margin=0.2, hold_s=2.0,
+                                                     window_s=10.0, lower=0.1), 8, lambda c: 100_000)
+    ctl.attach(s)
+    # 8 GPUs, ~0.5 GPU-s/s per GPU of demand: above `lower`, below `upper - margin`.
+    for i in range(40):
+        ctl.observe(Request(i, i * 0.25, 1000, 1, chain_block_hashes([i, -i - 1]), 512), 0, i * 0.25)
+    s.tick(9.0)  # calm since 9 s
+    assert not s.reconfigurations
+    s.tick(11.5)
+    [rec] = s.reconfigurations.values()
+    assert rec.kind == "merge" and ctl.decisions[-1]["reason"].startswith("merging costs no capacity")
