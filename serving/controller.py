@@ -119,6 +119,7 @@ class ReconfigurationController:
         self._high_since: float | None = None
         self._calm_since: float | None = None
         self._gain_memo: dict[tuple, float] = {}
+        self._first_seen: float | None = None
         self._low_since: float | None = None
         self._quiet_until = 0.0
         self._ref_share: float | None = None
@@ -144,6 +145,8 @@ class ReconfigurationController:
         gpu_s = c * s.cost_model.predict(c, request.input_len, cached_len)
         is_long = request.input_len >= self.config.long_threshold
         self._arrivals.append((now, gpu_s, request.input_len, is_long, cached_len))
+        if self._first_seen is None:
+            self._first_seen = now
         self.longest = max(self.longest, request.input_len)
         self._gpu_s += gpu_s
         self._tokens += request.input_len
@@ -161,9 +164,16 @@ class ReconfigurationController:
             self._gpu_s, self._tokens, self._long_tokens = 0.0, 0, 0
 
     def load(self, now: float) -> float:
-        """Smoothed demand over capacity (dimensionless; 1 = every GPU busy)."""
+        """Smoothed demand over capacity (dimensionless; 1 = every GPU busy).
+
+        Until a full window has passed since the first placement, the demand is averaged over
+        the time elapsed (at least one second), not over the whole window.
+        """
         self._expire(now)
-        return self._gpu_s / (self.config.window_s * self.num_gpus)
+        if self._first_seen is None:
+            return 0.0
+        span = min(self.config.window_s, max(now - self._first_seen, 1.0))
+        return self._gpu_s / (span * self.num_gpus)
 
     def backlog(self, scheduler, now: float) -> float:
         """Outstanding reserved work as a load: `sum_w C_w * Q_w / (window_s * num_gpus)`.

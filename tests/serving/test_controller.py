@@ -263,8 +263,9 @@ def test_merges_back_when_merging_costs_no_capacity():
     # 8 GPUs, ~0.5 GPU-s/s per GPU of demand: above `lower`, below `upper - margin`.
     for i in range(40):
         ctl.observe(Request(i, i * 0.25, 1000, 1, chain_block_hashes([i, -i - 1]), 512), 0, i * 0.25)
-    s.tick(9.0)  # calm since 9 s
+    s.tick(9.0)  # 37 GPU-s over 9 s on 8 GPUs: 0.56, not yet calm
+    s.tick(11.5)  # 33 GPU-s over the 10 s window: 0.41, calm from now
     assert not s.reconfigurations
-    s.tick(11.5)
+    s.tick(14.0)
     [rec] = s.reconfigurations.values()
     assert rec.kind == "merge" and ctl.decisions[-1]["reason"].startswith("merging costs no capacity")
