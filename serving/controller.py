@@ -315,13 +315,15 @@ def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
 
 def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
                         mean_prefill_seconds: Callable[[int], float], target_load: float,
-                        min_largest_degree: int = 1) -> list[int]:
+                        min_largest_degree: int = 1, tolerance: float = 0.03) -> list[int]:
     """The starting composition from historical demand (paper section 6).
 
     A composition's capacity is `sum_w 1 / mean_prefill_seconds(C_w)` requests per second
     (each worker serves one prefill at a time). Among compositions whose capacity times
     `target_load` covers `rate`, pick the one with the most large-degree workers (compared
-    largest degree first); when none has enough, the one with the most capacity.
+    largest degree first). When none has enough, compositions within `tolerance` of the most
+    capacity count as having enough (capacity differences that small are inside the cost
+    model's error, while a larger degree cuts every request's prefill time).
 
     Args:
       num_gpus: devices to fill.
@@ -331,6 +333,7 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
       target_load: in (0, 1]: the utilisation the composition may run at.
       min_largest_degree: only compositions with a worker of at least this degree (one that
         can hold the longest prompts) are considered.
+      tolerance: relative capacity difference treated as equal when overloaded.
 
     Raises:
       ValueError: no composition of `degrees` fills `num_gpus`, or a bad rate / target_load.
@@ -350,8 +353,10 @@ def initial_composition(num_gpus: int, degrees: Sequence[int], rate: float,
     def capacity(comp):
         return sum(1.0 / t[c] for c in comp)
 
-    enough = [c for c in options if capacity(c) * target_load >= rate]
-    if not enough:  # overloaded: every bit of capacity counts
-        return max(options, key=lambda c: (capacity(c), tuple(sorted(c, reverse=True))))
+    best = max(capacity(c) for c in options)
+    # Overloaded (no composition has enough): capacities within `tolerance` of the largest
+    # count as equal, as they are within the cost model's error, and larger degrees win on TTFT.
+    need = min(rate / target_load, best / (1 + tolerance))
+    enough = [c for c in options if capacity(c) >= need]
     ds = sorted(set(degrees), reverse=True)
     return max(enough, key=lambda comp: tuple(comp.count(d) for d in ds))
