@@ -62,7 +62,7 @@ class ReplayConfig:
     degrees: tuple[int, ...] = (2, 4)
     systems: tuple[str, ...] = ("homogeneous",)
     rates: tuple[float, ...] = ()
-    load_factors: tuple[float, ...] = (0.6, 0.9, 1.2)
+    load_factors: tuple[float, ...] = (0.8, 1.2, 1.6)
     slo: str = "scale:5"
     noise_sigma: float = 0.05
     seed: int = 0
@@ -143,6 +143,7 @@ class ReplayEnv:
             table = read_profile_csv(cfg.profile_csv)
         else:
             table = generate_profile(cfg.gpu, cfg.model, degrees=tuple(degrees))
+        degrees = sorted(set(degrees) | {c for c in cfg.degrees if not cfg.profile_csv})
         missing = [c for c in degrees if c not in table.degrees]
         if missing:
             raise ValueError(f"profile has no rows for CP degrees {missing} (it has {list(table.degrees)})")
@@ -163,7 +164,11 @@ class ReplayEnv:
                 cfg.num_gpus, kv_blocks, max_input_len, PrefillCostModel.fit(tab),
                 tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.kv_transfer_gb_per_s, par)
         sim = dataclasses.replace(cfg.sim, kv_bytes_per_token=model.kv_bytes_per_token)
-        return cls(table, pools["cp"].cost_model, pools["cp"], sim, max(degrees), block_size,
+        # The SLO reference is the run's largest --degrees entry (when the profile has it), so
+        # SLOs do not depend on which systems a run lists.
+        listed = [c for c in cfg.degrees if c in table.degrees]
+        reference = max(listed) if listed else max(degrees)
+        return cls(table, pools["cp"].cost_model, pools["cp"], sim, reference, block_size,
                    tables, pools)
 
     def cost_model_for(self, parallelism: str = "cp") -> PrefillCostModel:

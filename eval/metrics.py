@@ -39,10 +39,16 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     ttft = np.array([r.ttft for r in ok], dtype=np.float64)
     queue = np.array([r.start_time - r.request.arrival_time for r in ok], dtype=np.float64)
     prefill = np.array([r.finish_time - r.start_time for r in ok], dtype=np.float64)
+    reasons: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = r.error if len(r.error) <= 120 else r.error[:117] + "..."
+            reasons[key] = reasons.get(key, 0) + 1
     out: dict = {
         "num_requests": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
+        "failure_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:5]),
     }
     if len(records):
         first_arrival = min(r.request.arrival_time for r in records)

@@ -1,7 +1,7 @@
 """Replay a workload through simulated prefill pools: `python -m eval.replay`.
 
 With no flags it replays the built-in Tool-Agent workload on 40 simulated H20 GPUs serving
-Qwen3-30B-A3B, as homogeneous CP-2 and CP-4 pools at three load levels, prints the summary
+Qwen3-30B-A3B, as homogeneous CP-2 and CP-4 pools and Vertumnus at three load levels, prints the summary
 table and writes, under `--output_dir`:
 
 - `<trace>__<system>__rate<r>.json`: one per (system, rate; r in req/s, 6 significant digits),
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import shutil
 import sys
@@ -31,10 +32,11 @@ from eval.experiment import ReplayConfig, run_degrees, run_sweep
 from eval.simulator import SimConfig
 from eval.traces import load_trace, sample_window
 from eval.workloads import tool_agent_workload, workload_stats
+from serving.specs import GPUS, MODELS
 
 _TRACE = flags.DEFINE_string("trace", "", "Trace file; empty = the built-in Tool-Agent workload.")
 _FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
-                            "Trace format; auto = from the file name.")
+                            "Trace format; auto = from the file suffix and CSV header.")
 _BLOCK = flags.DEFINE_integer("block_size", 512, "Tokens per KV block (prefix-cache granularity).",
                               lower_bound=1)
 _SKIP = flags.DEFINE_bool("skip_malformed", False,
@@ -45,16 +47,20 @@ _DURATION = flags.DEFINE_float("workload_duration", 600.0,
                                "Seconds of built-in Tool-Agent workload to generate.", lower_bound=1.0)
 _WINDOW = flags.DEFINE_float("window", 0.0, "If > 0, replay a seeded random window of this many "
                              "seconds of the trace instead of all of it.", lower_bound=0.0)
-_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous"], "Systems to compare "
-                             "(`homogeneous` = one homogeneous-cpN per --degrees entry).")
-_DEGREES = flags.DEFINE_list("degrees", ["2", "4"], "CP degrees for the `homogeneous` shorthand.")
+_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous", "vertumnus"], "Systems to compare "
+                             "(eval.systems; `homogeneous` = one homogeneous-cpN per --degrees "
+                             "entry; plug-ins as module:attribute).")
+_DEGREES = flags.DEFINE_list("degrees", ["2", "4"], "CP degrees of the run: the homogeneous "
+                             "shorthand, mixed compositions, the controller's range, the SLO "
+                             "reference (the largest).")
 _RATES = flags.DEFINE_list("rates", [], "Request rates to sweep (req/s; `native` = the trace's own "
                            "arrival times); overrides --load_factors.")
-_LOADS = flags.DEFINE_list("load_factors", ["0.6", "0.9", "1.2"],
+_LOADS = flags.DEFINE_list("load_factors", ["0.8", "1.2", "1.6"],
                            "Rates as multiples of the pool's cold capacity rate (see eval.experiment).")
 _GPUS = flags.DEFINE_integer("num_gpus", 40, "GPU budget of every system.", lower_bound=1)
-_GPU = flags.DEFINE_string("gpu", "h20", "GPU profile (serving.profiles.GPUS).")
-_MODEL = flags.DEFINE_string("model", "qwen3-30b-a3b", "Model profile (serving.profiles.MODELS).")
+_GPU = flags.DEFINE_enum("gpu", "h20", sorted(GPUS), "GPU of the analytic profile.")
+_MODEL = flags.DEFINE_enum("model", "qwen3-30b-a3b", sorted(MODELS), "Model of the analytic "
+                           "profile and the KV sizes.")
 _PROFILE = flags.DEFINE_string("profile_csv", "", "Measured profile CSV instead of the analytic one.")
 _SLO = flags.DEFINE_string("slo", "scale:5", "TTFT SLO: scale:K, fixed:S or affine:A,B (eval.slo).")
 _NOISE = flags.DEFINE_float("noise_sigma", 0.05, "Lognormal sigma of prefill-time noise.",
@@ -138,6 +144,11 @@ def main(argv):
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     print(report.markdown_table(results))
+    for r in results:
+        if r["failed"]:
+            reason, n = next(iter(r["failure_reasons"].items()))
+            print(f"warning: {r['system']} at {r['request_rate']:.4g} req/s failed {r['failed']} "
+                  f"of {r['num_requests']} requests, e.g. ({n}x) {reason}")
     print(f"\n{len(results)} runs in {wall:.1f} s; results in {_OUT.value}/")
 
 
@@ -162,7 +173,8 @@ def write_outputs(results, env, cfg, name, degrees) -> None:
 def _write_all(results, env, cfg, name, extra, out) -> None:
     for r in results:
         r.update(extra)
-        path = os.path.join(out, f"{name}__{r['system']}__rate{r['request_rate']:.6g}.json")
+        system = re.sub(r"[^A-Za-z0-9._-]", "_", r["system"])  # plug-in names carry ':'
+        path = os.path.join(out, f"{name}__{system}__rate{r['request_rate']:.6g}.json")
         with open(path, "w") as f:
             json.dump(r, f, indent=1, sort_keys=True, allow_nan=False)
     with open(os.path.join(out, f"{name}__summary.json"), "w") as f:

@@ -53,7 +53,7 @@ class ControllerConfig:
         window, non-negative hold and cooldown, long_share_rise in (0, 1]).
     """
 
-    upper: float = 0.75
+    upper: float = 0.85
     lower: float = 0.35
     window_s: float = 30.0
     hold_s: float = 10.0
@@ -64,7 +64,7 @@ class ControllerConfig:
     min_degree: int = 1
     max_degree: int = 8
     min_split_gain: float = 0.03
-    merge_margin: float = 0.2
+    merge_margin: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("upper", "lower", "window_s", "hold_s", "cooldown_s", "long_share_rise",

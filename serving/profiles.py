@@ -346,6 +346,7 @@ def _main(argv):
     F = flags.FLAGS
     degrees = tuple(int(x) for x in F.degrees)
     table = generate_profile(F.gpu, F.model, degrees, parallelism=F.parallelism)
+    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     write_profile_csv(table, F.out)
     print(f"wrote {len(table)} rows to {F.out} ({F.gpu}, {F.model}, {F.parallelism})")
     fit = PrefillCostModel.fit(table)
@@ -371,5 +372,5 @@ if __name__ == "__main__":
     flags.DEFINE_enum("model", "qwen3-30b-a3b", sorted(MODELS), "Model profile name.")
     flags.DEFINE_list("degrees", ["1", "2", "4", "8"], "Worker degrees to profile.")
     flags.DEFINE_enum("parallelism", "cp", ["cp", "tp"], "Parallelism inside a worker.")
-    flags.DEFINE_string("out", "profile.csv", "Output CSV path.")
+    flags.DEFINE_string("out", "out/profile.csv", "Output CSV path.")
     app.run(_main)

@@ -87,7 +87,8 @@ def test_cli_rejects_bad_flag_values(tmp_path):
 
 def test_cli_native_rate_keeps_arrival_times(tmp_path):
     cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=60", "--num_gpus=8",
-           "--degrees=4", "--rates=native", f"--output_dir={tmp_path}", "--progress=false"]
+           "--degrees=4", "--rates=native", "--systems=homogeneous", f"--output_dir={tmp_path}",
+           "--progress=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     [result] = json.loads((tmp_path / "toolagent__summary.json").read_text())

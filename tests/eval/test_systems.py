@@ -123,4 +123,4 @@ def test_replay_cli_accepts_a_plugin_router(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"| {PLUGIN}:ExampleRouter | 2.00 |" in proc.stdout
-    assert list(tmp_path.glob(f"toolagent__{PLUGIN}:ExampleRouter__rate2*.json"))
+    assert list(tmp_path.glob(f"toolagent__{PLUGIN}_ExampleRouter__rate2*.json"))  # ":" -> "_"
