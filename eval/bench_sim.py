@@ -22,8 +22,9 @@ from eval.experiment import ReplayConfig, ReplayEnv, run_degrees, simulate_syste
 from eval.traces import load_trace
 from eval.workloads import scale_to_rate
 
-_DEFAULT_TRACE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces" / \
-    "mooncake" / "conversation_trace.jsonl"
+# The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
+_DEFAULT_TRACE = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or pathlib.Path(
+    __file__).resolve().parents[1].parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
 _TRACE = flags.DEFINE_string("trace", str(_DEFAULT_TRACE), "Trace to replay.")
 _SYSTEMS = flags.DEFINE_list("systems", ["homogeneous-cp2", "homogeneous-cp4", "vertumnus"],

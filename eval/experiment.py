@@ -141,9 +141,9 @@ class ReplayEnv:
         model = MODELS[cfg.model]
         if cfg.profile_csv:
             table = read_profile_csv(cfg.profile_csv)
-        else:
+        else:  # the run's --degrees too: the SLO reference is the largest of them
+            degrees = sorted(set(degrees) | set(cfg.degrees))
             table = generate_profile(cfg.gpu, cfg.model, degrees=tuple(degrees))
-        degrees = sorted(set(degrees) | {c for c in cfg.degrees if not cfg.profile_csv})
         missing = [c for c in degrees if c not in table.degrees]
         if missing:
             raise ValueError(f"profile has no rows for CP degrees {missing} (it has {list(table.degrees)})")

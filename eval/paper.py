@@ -30,9 +30,12 @@ from eval.traces import load_trace
 from eval.workloads import tool_agent_workload
 from serving.controller import ControllerConfig
 
-_TRACES = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-_TRACES_DIR = flags.DEFINE_string("traces_dir", str(_TRACES), "Folder of the public traces.")
-_OUT = flags.DEFINE_string("output_dir", "eval/results", "Where results and plots go.")
+# The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
+_TRACES = os.environ.get("VERTUMNUS_TRACES_DIR") or str(
+    pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces")
+_TRACES_DIR = flags.DEFINE_string("traces_dir", _TRACES, "Folder of the public traces.")
+_OUT = flags.DEFINE_string("output_dir", "eval/results", "Where results and plots go (the "
+                           "default is the committed results that eval/RESULTS.md discusses).")
 _PARTS = flags.DEFINE_list("parts", ["sweep", "reconfig", "sensitivity"], "What to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short workloads and two loads (smoke run).")
 

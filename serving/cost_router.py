@@ -60,25 +60,29 @@ class VertumnusRouter:
               matched_blocks: Sequence[int], now: float) -> list[float]:
         """Placement cost of each candidate, in seconds (the formula above)."""
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
-        memo: dict[tuple[int, int], float] = {}
-        s, gpu = [], []
+        memo: dict[int, tuple[float, float]] = {}  # c * 2**32 + m -> (T, C * T)
+        st = []
+        cheapest = float("inf")
         for w, m in zip(candidates, matched_blocks):
             c = w.spec.cp_degree
-            t = memo.get((c, m))
-            if t is None:
-                t = memo[(c, m)] = predict(c, n, m * bs)
-            s.append(t)
-            gpu.append(c * t)
-        cheapest = min(gpu)
+            key = (c << 32) | m
+            tg = memo.get(key)
+            if tg is None:
+                t = predict(c, n, m * bs)
+                tg = memo[key] = (t, c * t)
+                if tg[1] < cheapest:
+                    cheapest = tg[1]
+            st.append(tg)
         beta, lam = self.beta, self.lam
+        base = -lam * cheapest
         out = []
-        for w, t, g in zip(candidates, s, gpu):
+        for w, (t, g) in zip(candidates, st):
             q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
             if w.running is not None:
                 r = w.running_estimate - (now - w.running_start)
                 if r > 0:
                     q += r
-            out.append(q + beta * t + lam * (g - cheapest))
+            out.append(q + beta * t + lam * g + base)
         return out
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],

@@ -95,3 +95,10 @@ def test_cli_native_rate_keeps_arrival_times(tmp_path):
     native = tool_agent_workload(duration_s=60.0, seed=0)
     assert result["request_rate"] == pytest.approx((len(native) - 1) / (
         native[-1].arrival_time - native[0].arrival_time))
+
+
+def test_slo_reference_is_the_largest_listed_degree_whatever_the_systems(workload):
+    alone = ReplayEnv.build(ReplayConfig(num_gpus=8, degrees=(2, 4)), 512, {2})
+    both = ReplayEnv.build(ReplayConfig(num_gpus=8, degrees=(2, 4)), 512, {2, 4})
+    assert alone.reference_degree == both.reference_degree == 4
+    assert alone.isolated_ttft(5000) == pytest.approx(both.isolated_ttft(5000))
