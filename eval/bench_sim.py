@@ -27,8 +27,8 @@ _DEFAULT_TRACE = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or pathlib.
     __file__).resolve().parents[1].parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
 _TRACE = flags.DEFINE_string("trace", str(_DEFAULT_TRACE), "Trace to replay.")
-_SYSTEMS = flags.DEFINE_list("systems", ["homogeneous-cp2", "homogeneous-cp4", "vertumnus"],
-                             "Systems to time.")
+_SYSTEMS = flags.DEFINE_list("systems", ["leastwork-cp4", "homogeneous-cp2", "homogeneous-cp4",
+                                         "vertumnus"], "Systems to time.")
 _LOAD = flags.DEFINE_float("load_factor", 0.9, "Rate as a multiple of the cold capacity rate.",
                            lower_bound=1e-3)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).", lower_bound=1)

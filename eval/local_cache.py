@@ -33,25 +33,34 @@ class LocalPrefixCache:
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent hash, oldest first
         self._reserved = 0  # blocks allocated to a running prefill, not yet cached
-        self._children: dict[int, int] = {}  # hash -> cached blocks whose parent it is
+        # hash -> number of cached blocks whose parent it is; built on the first
+        # `reclaim_suffix` and kept up to date from then on (None: not tracked, no cost).
+        self._children: dict[int, int] | None = None
 
     def _insert(self, h: int, parent: int | None) -> None:
         self._lru[h] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
+        children = self._children
+        if children is not None and parent is not None:
+            children[parent] = children.get(parent, 0) + 1
 
     def _forget(self, parent: int | None) -> None:
-        if parent is not None:
-            n = self._children[parent] - 1
+        children = self._children
+        if children is not None and parent is not None:
+            n = children[parent] - 1
             if n:
-                self._children[parent] = n
+                children[parent] = n
             else:
-                del self._children[parent]
+                del children[parent]
 
     def _evict_lru(self, n: int) -> list[int]:
         lru, evicted = self._lru, []
+        popitem = lru.popitem
+        if self._children is None:
+            for _ in range(n):
+                evicted.append(popitem(last=False)[0])
+            return evicted
         for _ in range(n):
-            h, parent = lru.popitem(last=False)
+            h, parent = popitem(last=False)
             self._forget(parent)
             evicted.append(h)
         return evicted
@@ -125,6 +134,9 @@ class LocalPrefixCache:
             h = block_hashes[k]
             if h in lru:
                 lru.move_to_end(h)
+            elif self._children is None:  # hot path: no child tracking
+                lru[h] = block_hashes[k - 1] if k else None
+                inserted.append(h)
             else:
                 self._insert(h, block_hashes[k - 1] if k else None)
                 inserted.append(h)
@@ -177,7 +189,13 @@ class LocalPrefixCache:
         Returns:
           The evicted hashes, deepest first.
         """
-        lru, children = self._lru, self._children
+        lru = self._lru
+        if self._children is None:  # start tracking: one O(n) pass, then incremental
+            self._children = {}
+            for p in lru.values():
+                if p is not None:
+                    self._children[p] = self._children.get(p, 0) + 1
+        children = self._children
         evicted = []
         for h in reversed(chain):
             if h not in lru or h in children:
