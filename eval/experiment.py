@@ -14,6 +14,7 @@ fit error and knows nothing of the noise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 from eval.ground_truth import GroundTruthProfile
@@ -233,16 +234,21 @@ class ReplayEnv:
         return GroundTruthProfile(self.tables[parallelism], noise_sigma=cfg.noise_sigma,
                                   seed=cfg.seed)
 
+    @functools.cached_property
+    def exact_truth(self) -> GroundTruthProfile:
+        """The noise-free ground truth of the CP profile (built once; for SLOs and rates)."""
+        return GroundTruthProfile(self.table)
+
     def isolated_ttft(self, input_len: int) -> float:
         """Cold prefill alone on the reference degree, plus KV transfer and first token (s)."""
-        truth = GroundTruthProfile(self.table)
+        truth = self.exact_truth
         c = self.reference_degree
         n = min(input_len, truth.max_input_len(c))
         return truth.seconds(c, n, 0) + self.sim.after_prefill_seconds(input_len)
 
     def capacity_rate(self, requests: Sequence[Request], min_degree: int) -> float:
         """Req/s at which `num_gpus` are exactly busy running every request cold at `min_degree`."""
-        truth = GroundTruthProfile(self.table)
+        truth = self.exact_truth
         cap = truth.max_input_len(min_degree)
         gpu_s = [min_degree * truth.seconds(min_degree, min(r.input_len, cap), 0) for r in requests]
         return self.pool.num_gpus * len(gpu_s) / sum(gpu_s)

@@ -9,11 +9,11 @@ complete, and only then reach the scheduler's prefix index.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 from eval.local_cache import LocalPrefixCache, split_cache
 from serving.backend import PrefillResult
+from serving.checks import require_finite
 from serving.request import Request
 from serving.worker import WorkerSpec
 
@@ -44,10 +44,8 @@ class SimConfig:
     replication_gb_per_s: float = 100.0
 
     def __post_init__(self) -> None:
-        for name in ("kv_transfer_gb_per_s", "first_token_seconds", "tick_interval",
-                     "recarve_seconds", "replication_gb_per_s"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        require_finite(self, ("kv_transfer_gb_per_s", "first_token_seconds", "tick_interval",
+                     "recarve_seconds", "replication_gb_per_s"))
         if 0 < self.tick_interval < 1e-3:
             raise ValueError(f"tick_interval must be 0 (off) or >= 1e-3 s, got {self.tick_interval}")
         if self.kv_bytes_per_token < 0:

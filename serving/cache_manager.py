@@ -19,8 +19,8 @@ seconds). At most `max_actions` actions per scan; then demand counts decay by `d
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from serving.checks import require_finite
 from serving.prefix_trie import GlobalPrefixTrie
 from serving.worker import WorkerStatus
 
@@ -42,9 +42,7 @@ class CacheManagerConfig:
     min_blocks: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("scan_interval_s", "decay", "min_missed_tokens", "intra_high", "reclaim_low"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        require_finite(self, ("scan_interval_s", "decay", "min_missed_tokens", "intra_high", "reclaim_low"))
         if not isinstance(self.max_actions, int) or not isinstance(self.min_blocks, int):
             raise ValueError("max_actions and min_blocks must be integers")
         if not self.scan_interval_s > 0:

@@ -40,6 +40,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from serving.checks import require_finite
 from serving.request import Request
 from serving.worker import WorkerStatus, are_buddies, merge_buddies, split_halves
 
@@ -67,10 +68,8 @@ class ControllerConfig:
     merge_margin: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("upper", "lower", "window_s", "hold_s", "cooldown_s", "long_share_rise",
-                     "stable_band", "min_split_gain", "merge_margin"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        require_finite(self, ("upper", "lower", "window_s", "hold_s", "cooldown_s", "long_share_rise",
+                     "stable_band", "min_split_gain", "merge_margin"))
         for name in ("min_degree", "max_degree"):
             c = getattr(self, name)
             if not isinstance(c, int) or c < 1 or c & (c - 1):
