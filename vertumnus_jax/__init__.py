@@ -6,12 +6,15 @@ Public API:
   load_hf_checkpoint, save_params, restore_params, CheckpointError
                                    HF safetensors loading; orbax save/restore
   KVPool                           per-device K/V blocks [layers, blocks, block_size, kv_heads, d]
-  PrefixCache, CacheEvent, OutOfBlocksError, block_hashes, chain_hashes
+  PrefixCache, CacheEvent, CachedBlock, OutOfBlocksError, block_hashes, chain_hashes
                                    radix tree over chained block hashes, LRU, refcounts, events
   Worker                           a CP submesh with replicated weights, pool, cache, executables
+                                   (`Worker.from_replicas`: weights re-wrapped, not copied)
+  split_worker, merge_workers, replicate_prefix, reclaim_prefix, MoveStats, ReplicationResult
+                                   re-carving without moving weights; KV re-striping and copies
   prefill, prefill_request, release_request, PrefillResult, RequestResult
                                    zigzag CP prefill over the cached prefix
-The profiling CLI is `python -m vertumnus_jax.profile`.
+The CLIs are `python -m vertumnus_jax.profile` and `python -m vertumnus_jax.bench_recarve`.
 """
 
 from __future__ import annotations
@@ -33,17 +36,28 @@ from vertumnus_jax.prefill import (
     release_request,
 )
 from vertumnus_jax.prefix_cache import (
+    CachedBlock,
     CacheEvent,
     OutOfBlocksError,
     PrefixCache,
     block_hashes,
     chain_hashes,
 )
+from vertumnus_jax.recarve import (
+    MoveStats,
+    ReplicationResult,
+    merge_workers,
+    reclaim_prefix,
+    replicate_prefix,
+    split_worker,
+)
 from vertumnus_jax.worker import Worker
 
 __all__ = [
-    "CacheEvent", "CheckpointError", "KVPool", "ModelConfig", "OutOfBlocksError", "PrefillResult",
-    "PrefixCache", "Qwen3", "RequestResult", "Worker", "block_hashes", "causal_attention",
-    "chain_hashes", "full_prefill", "init_model", "load_hf_checkpoint", "prefill",
-    "prefill_request", "release_request", "restore_params", "save_params",
+    "CacheEvent", "CachedBlock", "CheckpointError", "KVPool", "ModelConfig", "MoveStats",
+    "OutOfBlocksError", "PrefillResult", "PrefixCache", "Qwen3", "ReplicationResult",
+    "RequestResult", "Worker", "block_hashes", "causal_attention", "chain_hashes",
+    "full_prefill", "init_model", "load_hf_checkpoint", "merge_workers", "prefill",
+    "prefill_request", "reclaim_prefix", "release_request", "replicate_prefix",
+    "restore_params", "save_params", "split_worker",
 ]

@@ -48,17 +48,23 @@ class KVPool:
       num_blocks: blocks per device, >= 1.
       block_size: tokens per block, a power of two >= 1.
       axis: the mesh axis name.
+      buffers: optional `(ks, vs)`, per rank the existing single-device
+        `[layers, num_blocks, block_size, kv_heads, head_dim]` K and V arrays on that rank's
+        device (e.g. another pool's, after a split or merge). They are re-wrapped into the
+        global arrays with `jax.make_array_from_single_device_arrays`: no copy, no zeroing.
 
     Attributes:
       k, v: `[C * layers, num_blocks, block_size, kv_heads, head_dim]` global arrays in the
         model's dtype, sharded over `axis` on dimension 0.
 
     Raises:
-      ValueError: for `num_blocks < 1` or a block size that is not a power of two.
+      ValueError: for `num_blocks < 1`, a block size that is not a power of two, or buffers
+        that are not C per K and V of the device shape and dtype on the ranks' devices.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, config: ModelConfig, num_blocks: int,
-                 block_size: int, axis: str = "cp"):
+                 block_size: int, axis: str = "cp", *,
+                 buffers: tuple[Sequence[jax.Array], Sequence[jax.Array]] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1 or block_size & (block_size - 1):
@@ -67,10 +73,42 @@ class KVPool:
         self.cp_degree = int(mesh.shape[axis])
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.sharding = NamedSharding(mesh, P(axis))
+        if buffers is not None:
+            self.k, self.v = self._wrap(*buffers)
+            return
         shape = (self.cp_degree * config.num_layers,) + self.device_shape[1:]
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(config.dtype)),
                         out_shardings=self.sharding)
         self.k, self.v = zeros(), zeros()
+
+    def _wrap(self, ks: Sequence[jax.Array], vs: Sequence[jax.Array]
+              ) -> tuple[jax.Array, jax.Array]:
+        devices = list(self.mesh.devices.reshape(-1))
+        want, dtype = self.device_shape, jnp.dtype(self.config.dtype)
+        out = []
+        for name, arrays in (("k", ks), ("v", vs)):
+            arrays = list(arrays)
+            if len(arrays) != self.cp_degree:
+                raise ValueError(f"buffers: {name} must hold {self.cp_degree} per-rank arrays, "
+                                 f"got {len(arrays)}")
+            for r, (a, d) in enumerate(zip(arrays, devices)):
+                if not isinstance(a, jax.Array) or a.shape != want or a.dtype != dtype or \
+                        a.devices() != {d}:
+                    raise ValueError(f"buffers: {name}[{r}] must be a {want} {dtype} array on "
+                                     f"device {d.id}, got {getattr(a, 'shape', type(a))}")
+            out.append(jax.make_array_from_single_device_arrays(
+                (self.cp_degree * want[0],) + want[1:], self.sharding, arrays))
+        return out[0], out[1]
+
+    def device_buffers(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """Per rank, the rank's own K and V arrays (`rank_arrays`), as `(ks, vs)`."""
+        pairs = [self.rank_arrays(r) for r in range(self.cp_degree)]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
+    def replace_buffers(self, ks: Sequence[jax.Array], vs: Sequence[jax.Array]) -> None:
+        """Adopts per-rank K and V arrays (checked as `buffers` in the constructor), re-wrapped
+        without a copy (e.g. after in-place per-device block moves)."""
+        self.k, self.v = self._wrap(ks, vs)
 
     @property
     def device_shape(self) -> tuple[int, int, int, int, int]:

@@ -30,23 +30,7 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from vertumnus_jax.block_hash import block_content_id, block_hashes, chain_hashes  # noqa: F401
-
-class OutOfBlocksError(RuntimeError):
-    """Not enough free KV blocks on some rank even after evicting every unreferenced block."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheEvent:
-    """One change of the cache: `kind` "insert" (BlockStored) or "evict" (BlockRemoved).
-
-    `parent_hash` is None for a block at depth 0; `rank` and `block_id` locate the KV block.
-    """
-
-    kind: str
-    block_hash: int
-    parent_hash: int | None
-    rank: int
-    block_id: int
+from vertumnus_jax.cache_event import CachedBlock, CacheEvent, OutOfBlocksError
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,11 +104,16 @@ class PrefixCache:
         """Physical block id of a cached block (KeyError when not cached)."""
         return self._nodes[block_hash].block_id
 
+    def blocks(self) -> list[CachedBlock]:
+        """Every cached block, parents before children, with its refcount and LRU tick."""
+        return [CachedBlock(h, n.parent.block_hash if n.parent.depth >= 0 else None, n.depth,
+                            n.rank, n.block_id, n.ref, n.last_access)
+                for h, n in self._nodes.items()]
+
     def state(self) -> dict:
         """Canonical contents: {"nodes": {hash: (parent_hash, rank, block_id)}, "free": per-rank
         sorted free ids}. Equal states mean equal trees and allocations."""
-        nodes = {h: (n.parent.block_hash if n.parent is not self._root else None, n.rank,
-                     n.block_id) for h, n in self._nodes.items()}
+        nodes = {b.block_hash: (b.parent_hash, b.rank, b.block_id) for b in self.blocks()}
         return {"nodes": nodes, "free": tuple(tuple(sorted(f)) for f in self._free)}
 
     def _walk(self, hashes: Sequence[int]) -> list[_Node]:
@@ -472,6 +461,17 @@ class PrefixCache:
             self._evict_one()
             done += 1
         return done
+
+    def evict_tail(self, hashes: Sequence[int]) -> list[int]:
+        """Evicts the cached path `hashes` from its deepest cached block up while the block is an
+        unreferenced leaf (its unshared tail); returns those hashes, deepest first (+ events)."""
+        path, out = self._walk(hashes), []
+        with self.transaction():
+            while path and path[-1].ref == 0 and not path[-1].children:
+                node = path.pop()
+                self._remove(node)
+                out.append(node.block_hash)
+        return out
 
     def drain_events(self) -> list[CacheEvent]:
         """Returns and clears the events since the last drain."""
