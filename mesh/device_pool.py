@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -27,7 +28,10 @@ from mesh.submesh import worker_mesh
 
 
 def _is_pow2(c) -> bool:
-    return isinstance(c, int) and not isinstance(c, bool) and c >= 1 and not c & (c - 1)
+    if isinstance(c, bool) or not hasattr(c, "__index__"):  # ints and numpy integers
+        return False
+    c = operator.index(c)
+    return c >= 1 and not c & (c - 1)
 
 
 def check_composition(composition: Sequence[int], num_devices: int) -> None:
@@ -119,7 +123,7 @@ class PendingChange:
         `[0, cp_degree)`.
         """
         c = self._group(worker_id).cp_degree
-        if not isinstance(rank, int) or not 0 <= rank < c:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < c:
             raise ValueError(f"rank must be in [0, {c}) for worker {worker_id}, got {rank!r}")
         self._ready.setdefault(worker_id, set()).add(rank)
 
@@ -162,6 +166,9 @@ class DevicePool:
     def __init__(self, devices: Sequence[jax.Device], composition: Sequence[int],
                  axis: str = "cp", *, worker_ids: Sequence[int] | None = None):
         self._devices = tuple(devices)
+        if len(set(self._devices)) != len(self._devices):
+            raise ValueError(f"devices must be distinct, got {len(self._devices)} entries for "
+                             f"{len(set(self._devices))} devices")
         check_composition(composition, len(self._devices))
         comp = [int(c) for c in composition]
         ids = list(range(len(comp))) if worker_ids is None else list(worker_ids)
@@ -271,9 +278,12 @@ class DevicePool:
         """Marks a worker as draining (no new placements, in-flight work finishing) or clears
         it once the drain is over. A draining worker cannot split or merge.
 
-        Raises ValueError for an unknown id.
+        Raises ValueError for an unknown id, or marking draining a worker in a pending change.
         """
         self.group(worker_id)
+        if draining and worker_id in self._reserved():
+            raise ValueError(f"worker {worker_id} is being re-carved (pending change); it cannot "
+                             "start draining")
         (self._draining.add if draining else self._draining.discard)(worker_id)
 
     def is_busy(self, worker_id: int) -> bool:

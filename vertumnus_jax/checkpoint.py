@@ -201,8 +201,14 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in checkpoint directory {path!r}")
-    with open(cfg_path) as f:
-        hf_config = json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object, got "
+                              f"{type(hf_config).__name__}")
     try:
         config = ModelConfig.from_hf_config(hf_config, name=os.path.basename(path), dtype=dtype)
     except ValueError as e:

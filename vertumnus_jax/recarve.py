@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from mesh.replicas import ParamReplicas, buffer_pointers, shard_bytes
 from vertumnus_jax.kv_move import (
@@ -268,8 +269,7 @@ def merge_workers(a: Worker, b: Worker, mesh: jax.sharding.Mesh, *, params=None,
     if a.cache.num_blocks != b.cache.num_blocks:
         raise ValueError(f"workers differ in num_blocks: {a.cache.num_blocks} vs "
                          f"{b.cache.num_blocks}")
-    flat = tuple(mesh.devices.reshape(-1)) if isinstance(mesh, jax.sharding.Mesh) else ()
-    lo, hi = (a, b) if flat[:1] == a.devices[:1] else (b, a)
+    lo, hi = sorted((a, b), key=lambda w: min(d.id for d in w.devices))  # lower device ids first
     _check_mesh(mesh, lo.devices + hi.devices, a.axis, "mesh")
     if hasattr(params, "assemble"):  # params=replicas
         params, replicas = None, params
@@ -298,6 +298,9 @@ def _as_chain(block_hashes) -> tuple[int, ...]:
     if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence) or \
             not block_hashes:
         raise ValueError("block_hashes must be a non-empty sequence of ints")
+    for i, h in enumerate(block_hashes):
+        if isinstance(h, (bool, np.bool_)) or not isinstance(h, (int, np.integer)):
+            raise ValueError(f"block_hashes must hold ints, got {h!r} at index {i}")
     return tuple(int(h) for h in block_hashes)
 
 

@@ -171,3 +171,18 @@ def test_random_split_merge_sequences_keep_the_invariants():
             _check_invariants(pool, used)
             seen.add(tuple(pool.composition))
         assert len(seen) > 3
+
+
+def test_edge_inputs_rejected_or_normalised():
+    import numpy as np
+
+    devs = jax.devices()
+    with pytest.raises(ValueError, match="distinct"):
+        DevicePool([devs[0]] * 8, [8])
+    assert DevicePool(devs, [np.int64(4), 2, 2]).composition == [4, 2, 2]
+    pool = DevicePool(devs, [4, 4])
+    change = pool.begin_split(0)
+    with pytest.raises(ValueError, match="pending"):
+        pool.mark_draining(0)
+    with pytest.raises(ValueError, match="rank"):
+        change.mark_ready(change.new_ids[0], True)

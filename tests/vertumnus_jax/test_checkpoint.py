@@ -169,3 +169,12 @@ def test_orbax_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(leaf))
     with pytest.raises(FileNotFoundError):
         restore_params(cfg, tmp_path / "absent")
+
+
+@pytest.mark.parametrize("text, message", [("[]", "JSON object, got list"),
+                                           ('{"model_type": ', "not valid JSON")])
+def test_config_json_that_is_not_an_object(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_hf_checkpoint(tmp_path)
+    assert "config.json" in str(e.value)

@@ -238,6 +238,11 @@ def test_bad_split_and_merge_change_nothing(env):
     other = _worker(env, 1, 1, 4)
     with pytest.raises(ValueError, match=r"devices \[0, 1\] in that order"):
         merge_workers(other, one, worker_mesh(devices, 2, 2))
+    upper_first = jax.sharding.Mesh(np.array([devices[1], devices[0]]), ("cp",))
+    with pytest.raises(ValueError, match=r"devices \[0, 1\] in that order"):
+        merge_workers(other, one, upper_first)  # lower device ids must come first
+    with pytest.raises(ValueError, match="must hold ints"):
+        replicate_prefix(one, other, ["123"])
     small = _worker(env, 1, 1, 2)
     with pytest.raises(ValueError, match="num_blocks"):
         merge_workers(one, small, worker_mesh(devices, 0, 2))
