@@ -25,7 +25,6 @@ of that form, or a router class built with no arguments on `mixed_degrees(num_gp
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import re
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCa
 from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
 from serving.controller import ControllerConfig, ReconfigurationController, initial_composition
 from serving.cost_router import VertumnusRouter
+from serving.plugins import import_spec
 from serving.prefix_index import PrefixIndex
 from serving.prefix_trie import GlobalPrefixTrie
 from serving.router import LeastWorkRouter, Router
@@ -247,18 +247,8 @@ register_system("mooncake-cp4", _homogeneous4("mooncake-cp4", lambda p: Mooncake
 
 def _from_spec(spec: str, pool: PoolConfig) -> System:
     """Builds a system named `module:attribute` (see `build_system`)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"system {spec!r}: a plug-in must be named 'module:attribute'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"system {spec!r}: cannot import module {module_name!r} ({e})") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"system {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_spec(spec, "system")
+    attr = spec.partition(":")[2]
     if inspect.isclass(obj) and callable(getattr(obj, "choose", None)):
         try:
             router = obj()

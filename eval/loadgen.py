@@ -1,0 +1,129 @@
+"""Load generator: replays a trace or the built-in workload against a running server over HTTP.
+
+    python -m eval.loadgen --launch_server               # start, replay, report, stop (README)
+    python -m eval.loadgen --url=http://127.0.0.1:8000 --trace=../shared/traces/... --duration=60
+
+Each request is sent at its arrival time (open loop, asyncio + httpx; a late send is logged in
+the result as `max_send_lag_s`), with a prompt built by `eval.live_prompts` (block hashes ->
+deterministic token blocks, lengths scaled by `--tokens_per_block / trace block size`). TTFT is
+measured at the client (send to response). The JSON and the table are `eval.replay`'s
+(`eval.metrics.summarize` keys, `eval.report.markdown_table`), plus the server's composition
+changes from `GET /v1/workers`.
+
+With `--launch_server` the binary `python -m serving.main` is started as a child process with
+`--server_flags`, waited for on `/health`, and stopped with SIGTERM at the end (it finishes its
+in-flight prefills and exits 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import httpx
+from absl import app, flags
+
+from eval import report
+from eval.live_client import launched_server, replay, workload
+from eval.live_prompts import PromptScale, scaled_requests
+from eval.metrics import summarize
+
+_URL = flags.DEFINE_string("url", None, "Server base URL; default http://127.0.0.1:<--port>.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port of the server (launched or running).",
+                             lower_bound=1, upper_bound=65535)
+_LAUNCH = flags.DEFINE_bool("launch_server", False, "Start `python -m serving.main --port=<--port> "
+                            "<--server_flags>` for the run and stop it afterwards.")
+_SERVER_FLAGS = flags.DEFINE_string(
+    "server_flags", "--composition=2,2,2,2 --log_level=warning",
+    "Flags of the launched server. The default starts from four CP-2 workers so that the "
+    "controller's merges under this light load show in the run.")
+_TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
+                             "Tool-Agent workload.")
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
+                            "Trace format.")
+_DURATION = flags.DEFINE_float("duration", 30.0, "Seconds of workload to replay (a seeded window "
+                               "of a trace; the start of the built-in workload).", lower_bound=0.1)
+_RATE = flags.DEFINE_float("rate", 0.0, "Re-time the requests to this rate (req/s); 0 = keep.",
+                           lower_bound=0.0)
+_TOKENS_PER_BLOCK = flags.DEFINE_integer("tokens_per_block", 16, "Prompt tokens per trace block "
+                                         "(length scale = this / trace block size).",
+                                         lower_bound=1)
+_TRACE_BLOCK = flags.DEFINE_integer("trace_block_size", 512, "Tokens per block of the trace.",
+                                    lower_bound=1)
+_MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Send at most this many (0 = all).",
+                                     lower_bound=0)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload and window.")
+_SLO_MS = flags.DEFINE_float("slo_ms", 500.0, "TTFT SLO of every request (ms) for the SLO "
+                             "attainment columns; 0 = none.", lower_bound=0.0)
+_WARMUP = flags.DEFINE_float("warmup_duration", 15.0, "Seconds of an unmeasured warm-up replay "
+                             "(the built-in workload, seed + 1) sent first: compiles the prefill "
+                             "executables the measured run needs; 0 = none.", lower_bound=0.0)
+_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
+_TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).")
+_OUT = flags.DEFINE_string("output_dir", "out/loadgen", "Where JSON and table go.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    try:
+        reqs, name = workload(_TRACE.value, _FORMAT.value, _DURATION.value, _RATE.value,
+                              _SEED.value, _TRACE_BLOCK.value)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    if _MAX_REQUESTS.value:
+        reqs = reqs[:_MAX_REQUESTS.value]
+    if _SLO_MS.value > 0:
+        reqs = [dataclasses.replace(r, ttft_slo=_SLO_MS.value / 1e3) for r in reqs]
+    if not reqs:
+        sys.exit(f"error: the workload {name!r} has no requests in {_DURATION.value} s")
+    headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else None
+    url = _URL.value or f"http://127.0.0.1:{_PORT.value}"
+    ctx = (launched_server(f"--port={_PORT.value} {_SERVER_FLAGS.value}", url, headers)
+           if _LAUNCH.value else contextlib.nullcontext())
+    with ctx:
+        info = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]
+        scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
+                            int(info["max_model_len"]))
+        pairs = scaled_requests(reqs, scale, int(info["block_size"]))
+        if _WARMUP.value > 0:
+            warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1,
+                               _TRACE_BLOCK.value)
+            print(f"warm-up: {len(warm)} requests over {_WARMUP.value:.0f} s (not measured)")
+            asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
+                               _API_KEY.value, _TIMEOUT.value))
+        print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
+              f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
+        records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
+    result = summarize(records)
+    result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
+        reqs[-1].arrival_time, 1e-9), composition=state["composition"],
+        reconfigurations=state["reconfigurations"], max_send_lag_s=state["max_send_lag_s"],
+        mean_server_ttft_ms=1e3 * sum(state["server_ttft_s"].values()) / max(
+            1, len(state["server_ttft_s"])),
+        tokens_per_block=_TOKENS_PER_BLOCK.value)
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, f"{name}__live.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True, allow_nan=False)
+    print(report.markdown_table([result]))
+    print(f"\ncomposition at the end: {state['composition']}")
+    for r in state["reconfigurations"]:
+        print(f"  epoch {r['epoch']}: {r['kind']} {r['old']} -> {r['new']} ({r['origin']}) at "
+              f"{r['finished']:.1f} s (drained in {r['drained'] - r['started']:.2f} s) -> "
+              f"{r['composition']}")
+    if not state["reconfigurations"]:
+        print("  (no split or merge during the run)")
+    if result["failed"]:
+        print(f"warning: {result['failed']} requests failed: {result['failure_reasons']}")
+    print(f"results in {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,279 @@
+"""The HTTP API of the prefill pool (FastAPI), OpenAI-compatible where it can be.
+
+Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`,
+`GET /v1/workers`, and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
+`POST /reset_prefix_cache` (as vLLM's). Errors use OpenAI's
+body `{"error": {"message", "type", "param", "code"}}`; every validation error is a 400 naming
+the field (`param`). With an API key, every endpoint wants `Authorization: Bearer <key>`; the
+admin endpoints want the admin key (and are refused with 403 when the server has none).
+
+A completion's response carries the first token (greedy), `usage` with
+`prompt_tokens_details.cached_tokens`, where it ran (`worker_id`, `cp_degree`, `epoch`), its
+timings in seconds, and `kv_transfer_params` naming the worker, devices and KV blocks that hold
+the prompt (as vLLM's disaggregated prefill returns them for the decode side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
+from serving.engine import Completion, Engine, Overloaded, ShuttingDown
+from serving.prom import ServingMetrics
+
+_log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+
+def _error(status: int, message: str, param=None, kind="invalid_request_error", headers=None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def _field(loc) -> str:
+    """The request field an error is about: its top-level name (pydantic's union branch tags
+    such as `str` or `list[int]` after it are dropped), `body` for the body itself."""
+    parts = [p for p in loc if p != "body"]
+    return str(parts[0]) if parts else "body"
+
+
+def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
+               api_key: str | None = None, admin_api_key: str | None = None,
+               shutdown_timeout: float | None = None,
+               max_body_bytes: int = 16 << 20) -> FastAPI:
+    """The FastAPI application over a built (not yet started) `Engine`.
+
+    Args:
+      engine: the pool; started and shut down by the app's lifespan.
+      tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str` (`serving.tokenizer`).
+      model_name: the name `/v1/models` reports and `model` fields must match.
+      vocab_size: token ids must be in `[0, vocab_size)`.
+      api_key: when set, every endpoint wants `Authorization: Bearer <api_key>`.
+      admin_api_key: the key of `/v1/workers/split` and `/merge` (disabled when None).
+      shutdown_timeout: seconds to wait for in-flight requests at shutdown (None: no limit);
+        those still unfinished then get 503.
+      max_body_bytes: larger request bodies get 413 before they are read.
+    """
+    metrics = ServingMetrics(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await engine.start()
+        yield
+        await engine.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="Vertumnus-JAX prefill pool", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    engine.record_hooks.append(metrics.observe)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
+        field = _field(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            return _error(400, f"request body is not valid JSON: {first.get('msg')}", "body")
+        msgs = "; ".join(f"{_field(e.get('loc', ()))}: "
+                         f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5])
+        return _error(400, msgs, field)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        _log.exception("unexpected error serving %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), None,
+                      "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > max_body_bytes:
+            return _error(413, f"request body of {size} bytes is larger than {max_body_bytes} "
+                               "bytes", "body")
+        # Checked before the body is read, so a request without the right key learns nothing.
+        if request.url.path in _ADMIN_PATHS:
+            if admin_api_key is None:
+                return _error(403, "admin operations are disabled: start the server with "
+                                   "--admin_api_key", None, "permission_error")
+            if not _bearer_ok(request, admin_api_key):
+                return _error(401, "missing or wrong admin API key (Authorization: Bearer "
+                                   "<admin key>)", None, "authentication_error")
+        elif api_key is not None and not _bearer_ok(request, api_key):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
+                          "authentication_error")
+        return await call_next(request)
+
+    def _tokens(prompt, index: int, batch: bool) -> list[int]:
+        param = f"prompt[{index}]" if batch else "prompt"
+        try:
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except UnicodeError as e:
+            raise ApiError(400, f"{param} is not valid Unicode text ({e})", param) from None
+        if not ids:
+            raise ApiError(400, f"{param} must not be empty", param)
+        for k, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise ApiError(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})",
+                               param)
+        limit = engine.config.max_model_len
+        if len(ids) > limit:
+            raise ApiError(400, f"{param} has {len(ids)} tokens, more than the maximum of "
+                                f"{limit} (max_model_len)", param)
+        return ids
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{model_name!r}", "model", "not_found_error")
+        if body.max_tokens > 1:
+            raise ApiError(400, f"max_tokens={body.max_tokens}: this is a prefill pool, it "
+                                "produces the first token only (max_tokens=1); decode runs in a "
+                                "separate pool", "max_tokens")
+        if body.ignored_fields():
+            _log.warning("ignored request fields: %s", ", ".join(body.ignored_fields()))
+        prompts = body.prompts()
+        batch = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(
+            body.prompt[0], (str, list))
+        token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
+        if len(token_lists) > engine.config.max_in_flight:
+            raise ApiError(400, f"prompt holds a batch of {len(token_lists)} prompts, more than "
+                                f"the server ever admits at once (max_in_flight="
+                                f"{engine.config.max_in_flight})", "prompt")
+        try:
+            results = await engine.prefill_many(token_lists)
+        except Overloaded as e:
+            raise ApiError(429, str(e), None, "rate_limit_error",
+                           {"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), None, "service_unavailable") from None
+        for c in results:
+            if not c.record.ok:
+                unplaced = c.record.worker_id is None
+                raise ApiError(400 if unplaced else 500, c.record.error, "prompt" if unplaced
+                               else None, "invalid_request_error" if unplaced else "server_error")
+        return _response(results, model_name, tokenizer)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "owned_by": "vertumnus",
+            "max_model_len": engine.config.max_model_len, "vocab_size": vocab_size,
+            "block_size": engine.config.block_size, "created": 0}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.scheduler is None:
+            raise ApiError(503, "the engine is not started", None, "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/workers")
+    async def workers():
+        s = engine.scheduler
+        return {"composition": s.composition, "epoch": s.epoch, "workers": engine.workers(),
+                "reconfigurations_in_progress": [
+                    {"epoch": r.epoch, "kind": r.kind, "old": list(r.old_ids),
+                     "new": [x.worker_id for x in r.new_specs]}
+                    for r in s.reconfigurations.values()],
+                "reconfigurations": engine.reconfigurations()}
+
+    @app.post("/v1/workers/split")
+    async def split(body: SplitRequest, request: Request):
+        try:
+            epoch = engine.split(body.worker_id)
+        except ValueError as e:
+            raise ApiError(400, str(e), "worker_id") from None
+        return {"epoch": epoch, "status": "draining"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        try:
+            freed = engine.reset_prefix_cache()
+        except ValueError as e:
+            raise ApiError(409, str(e), None, "conflict_error") from None
+        return {"freed_blocks": freed}
+
+    @app.post("/v1/workers/merge")
+    async def merge(body: MergeRequest, request: Request):
+        try:
+            epoch = engine.merge(body.worker_ids)
+        except ValueError as e:
+            raise ApiError(400, str(e), "worker_ids") from None
+        return {"epoch": epoch, "status": "draining"}
+
+    return app
+
+
+_ADMIN_PATHS = ("/v1/workers/split", "/v1/workers/merge", "/reset_prefix_cache")
+
+
+def _bearer_ok(request: Request, key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _response(results: list[Completion], model_name: str, tokenizer) -> dict:
+    choices, prompt_tokens, cached = [], 0, 0
+    for i, c in enumerate(results):
+        r, live = c.record, c.prefill
+        choices.append({
+            "index": i, "text": tokenizer.decode([r.first_token]), "token_ids": [r.first_token],
+            "finish_reason": "length", "logprobs": None,
+            "worker_id": r.worker_id, "cp_degree": r.cp_degree, "epoch": r.epoch,
+            "timings": {"queue_seconds": c.queue_seconds, "prefill_seconds": c.prefill_seconds,
+                        "ttft_seconds": c.ttft_seconds},
+            "prompt_tokens": r.request.input_len, "cached_tokens": r.cached_len,
+            "kv_transfer_params": _kv_params(r, live)})
+        prompt_tokens += r.request.input_len
+        cached += r.cached_len
+    first = choices[0]
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": model_name, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(choices),
+                  "total_tokens": prompt_tokens + len(choices),
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+        "worker_id": first["worker_id"], "cp_degree": first["cp_degree"], "epoch": first["epoch"],
+        "timings": first["timings"], "kv_transfer_params": first["kv_transfer_params"]}
+
+
+def _kv_params(record, live) -> dict | None:
+    if live is None:
+        return None
+    c = live.cp_degree
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": f"vertumnus-worker-{live.worker_id}-epoch-{record.epoch}",
+            "remote_block_ids": list(live.block_ids),
+            "remote_block_ranks": [i % c for i in range(len(live.block_ids))],
+            "remote_device_ids": list(live.device_ids), "block_size": live.block_size,
+            "cp_degree": c, "num_tokens": len(live.block_ids) * live.block_size}

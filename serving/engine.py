@@ -1,0 +1,381 @@
+"""The live prefill pool as an asyncio service: scheduler + live backend + periodic loops.
+
+`Engine` owns one `Scheduler` (the policy core shared with the simulator) and one
+`LiveBackend`. Every scheduler call runs on the asyncio loop's thread: HTTP handlers call
+`Engine.prefill` there, and the backend's executor threads hand their completions back with
+`loop.call_soon_threadsafe`. A tick task calls `Scheduler.tick(now)` every `tick_seconds` (the
+reconfiguration controller and the prefix-cache manager are tick hooks). Time is wall-clock
+seconds since `start()`, read from `time.monotonic` here and passed into the core as `now`.
+
+Every accepted request ends in exactly one answer: the scheduler's `RequestRecord` resolves the
+request's future (completed with its first token, or failed with the error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
+from serving.controller import ControllerConfig, ReconfigurationController
+from serving.cost_router import VertumnusRouter
+from serving.prefix_index import PrefixIndex
+from serving.prefix_trie import GlobalPrefixTrie
+from serving.request import Request
+from serving.router import Router
+from serving.scheduler import RequestRecord, Scheduler
+from serving.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
+
+_log = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """Too much queued work; `retry_after` is a suggested wait in whole seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(RuntimeError):
+    """The engine no longer accepts requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the live pool (the serving binary's flags).
+
+    Attributes:
+      block_size: tokens per KV block, a power of two.
+      kv_blocks_per_device: KV blocks each device holds, >= 1.
+      max_model_len: longest prompt the model accepts (tokens), >= 1.
+      beta, lam: the placement cost's weights (`VertumnusRouter`), >= 0.
+      controller: run the split/merge controller; `controller_config` its thresholds.
+      cache_manager: run the prefix-cache manager; `cache_config` its scan interval and
+        thresholds.
+      tick_seconds: period of the scheduler's tick (seconds), > 0.
+      max_in_flight: requests queued or running beyond which new ones get 429, >= 1.
+    """
+
+    block_size: int = 16
+    kv_blocks_per_device: int = 256
+    max_model_len: int = 4096
+    beta: float = 1.0
+    lam: float = 1.0
+    controller: bool = True
+    controller_config: ControllerConfig = ControllerConfig()
+    cache_manager: bool = True
+    cache_config: CacheManagerConfig = CacheManagerConfig()
+    tick_seconds: float = 0.25
+    max_in_flight: int = 256
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        for name in ("kv_blocks_per_device", "max_model_len", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("beta", "lam"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.tick_seconds) and self.tick_seconds > 0):
+            raise ValueError(f"tick_seconds must be > 0 seconds, got {self.tick_seconds}")
+
+    def max_input_len(self, cp_degree: int) -> int:
+        """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks
+        (`C * kv_blocks_per_device * block_size` tokens)."""
+        return min(self.max_model_len, cp_degree * self.kv_blocks_per_device * self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished prefill as the API reports it.
+
+    Attributes:
+      record: the scheduler's `RequestRecord` (worker, epoch, times, cached tokens, token).
+      prefill: the backend's `LivePrefill` (devices, block ids), None on failure.
+      queue_seconds, prefill_seconds, ttft_seconds: timings in seconds.
+    """
+
+    record: RequestRecord
+    prefill: object | None
+
+    @property
+    def queue_seconds(self) -> float:
+        r = self.record
+        return max(0.0, (r.start_time or r.request.arrival_time) - r.request.arrival_time)
+
+    @property
+    def prefill_seconds(self) -> float:
+        r = self.record
+        return max(0.0, (r.finish_time or 0.0) - (r.start_time or 0.0))
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return self.record.ttft
+
+
+class Engine:
+    """The live pool. Build it, then `await start()` inside the serving loop.
+
+    Args:
+      config: `EngineConfig`.
+      make_backend: `(post, clock) -> LiveBackend` (or any `Backend` exposing `workers`,
+        `prefills` and `shutdown`); called by `start()`.
+      workers: the initial `WorkerSpec`s (their ids and devices match the backend's pool).
+      cost_model: the router's prefill-time estimate (`PrefillCostModel`).
+      num_devices: devices of the pool (the controller's capacity).
+      router: defaults to `VertumnusRouter(config.beta, config.lam)`.
+      hash_prompt: `token_ids -> block hashes` (ceil(L / block_size) of them).
+      on_record: called with every `Completion`; more go in `record_hooks` (metrics).
+      degrees: CP degrees workers may have after a split or merge (default: those of
+        `workers`); each must be one the cost model can predict.
+    """
+
+    def __init__(self, config: EngineConfig, make_backend: Callable, workers: Sequence[WorkerSpec],
+                 cost_model, num_devices: int, hash_prompt: Callable[[Sequence[int]], tuple[int, ...]],
+                 router: Router | None = None,
+                 on_record: Callable[[Completion], None] | None = None,
+                 degrees: Sequence[int] | None = None) -> None:
+        self.config = config
+        self._make_backend = make_backend
+        self._specs = list(workers)
+        self.cost_model = cost_model
+        self.num_devices = num_devices
+        self._hash_prompt = hash_prompt
+        self._router = router or VertumnusRouter(beta=config.beta, lam=config.lam)
+        self.record_hooks: list[Callable[[Completion], None]] = [on_record] if on_record else []
+        self.scheduler: Scheduler | None = None
+        self.backend = None
+        self.controller: ReconfigurationController | None = None
+        self._futures: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._t0 = time.monotonic()
+        self._tick_task: asyncio.Task | None = None
+        self._accepting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._admin_epochs: set[int] = set()
+        self.degrees = tuple(sorted(set(degrees) if degrees else {w.cp_degree for w in workers}))
+        self._deadline: asyncio.TimerHandle | None = None
+        self._logged = 0  # reconfiguration_log entries already logged
+
+    def now(self) -> float:
+        """Seconds since the engine was built (monotonic)."""
+        return time.monotonic() - self._t0
+
+    # ------------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Creates the backend and the scheduler on the running loop; starts the tick task."""
+        self._loop = loop = asyncio.get_running_loop()
+        self.backend = self._make_backend(loop.call_soon_threadsafe, self.now)
+        cfg = self.config
+        index = GlobalPrefixTrie() if cfg.cache_manager else PrefixIndex()
+        self.scheduler = Scheduler(self._specs, self.cost_model, self._router, self.backend,
+                                   listener=self._finished, prefix_index=index)
+        self.backend.scheduler = self.scheduler
+        if cfg.controller:
+            self.controller = ReconfigurationController(cfg.controller_config, self.num_devices,
+                                                        cfg.max_input_len)
+            self.controller.attach(self.scheduler)
+        if cfg.cache_manager:
+            PrefixCacheManager(cfg.cache_config).attach(self.scheduler)
+        self._accepting = True
+        self._tick_task = asyncio.create_task(self._ticks())
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_seconds)
+            try:
+                self.scheduler.tick(self.now())
+            except Exception:  # a policy bug must not stop the periodic loops for good
+                _log.exception("scheduler tick failed")
+            for r in self.reconfigurations()[self._logged:]:
+                _log.info("epoch %d: %s %s -> %s (%s) drained in %.2f s, done at %.2f s; "
+                          "composition %s", r["epoch"], r["kind"], r["old"], r["new"],
+                          r["origin"], r["drained"] - r["started"], r["finished"],
+                          r["composition"])
+                self._logged += 1
+
+    def begin_shutdown(self, timeout: float | None = None) -> None:
+        """Stops accepting requests; after `timeout` seconds (None: never) answers every request
+        still unfinished with `ShuttingDown` (HTTP 503). Idempotent; call on the loop."""
+        self._accepting = False
+        if timeout is not None and self._deadline is None and self._loop is not None:
+            self._deadline = self._loop.call_later(max(0.0, timeout), self._expire)
+
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """`begin_shutdown` from any thread or a signal handler (runs it on the loop)."""
+        if self._loop is None:
+            self._accepting = False
+        else:
+            self._loop.call_soon_threadsafe(self.begin_shutdown, timeout)
+
+    def _expire(self) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(ShuttingDown(
+                    "the server shut down before this request finished (shutdown timeout)"))
+
+    async def shutdown(self, timeout: float | None = None) -> bool:
+        """Stops accepting, waits for every accepted request to end (or the `begin_shutdown`
+        deadline), then stops the workers: queued prefills are dropped (their requests were
+        answered), running ones finish.
+
+        Returns True when every request ended with its own outcome.
+        """
+        self.begin_shutdown(timeout)
+        pending = [f for f in self._futures.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending)
+        done = all(not f.done() or f.exception() is None for f in pending)
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+        if self.backend is not None:
+            await asyncio.to_thread(self.backend.shutdown, True)
+        return done
+
+    # ------------------------------------------------------------------------------ requests
+    async def prefill(self, token_ids: Sequence[int], ttft_slo: float | None = None) -> Completion:
+        """Runs one prompt through the pool; returns when its prefill ended.
+
+        Raises:
+          ShuttingDown: the engine stopped accepting requests (or its shutdown deadline
+            passed before the prefill finished).
+          Overloaded: `max_in_flight` requests are already queued or running.
+        """
+        [completion] = await self.prefill_many([token_ids], ttft_slo)
+        return completion
+
+    async def prefill_many(self, prompts: Sequence[Sequence[int]],
+                           ttft_slo: float | None = None) -> list[Completion]:
+        """Admits all of `prompts` or none (one capacity check, then every submit with no await
+        in between), then waits for all of them. Raises as `prefill`."""
+        self.check_capacity(len(prompts))
+        s, now = self.scheduler, self.now()
+        futures = []
+        for token_ids in prompts:
+            rid = next(self._ids)
+            request = Request(rid, now, len(token_ids), 1, self._hash_prompt(token_ids),
+                              self.config.block_size, ttft_slo, token_ids=list(token_ids))
+            future = self._loop.create_future()
+            self._futures[rid] = future
+            futures.append((rid, future))
+            try:
+                s.submit(request, now)
+            except Exception:  # a policy error: this prompt is not taken; earlier ones run on
+                for r, _ in futures:
+                    self._futures.pop(r, None)
+                raise
+        try:
+            return list(await asyncio.shield(asyncio.gather(*(f for _, f in futures))))
+        finally:
+            for rid, _ in futures:
+                self._futures.pop(rid, None)
+
+    def check_capacity(self, n: int) -> None:
+        """Raises `ShuttingDown`, or `Overloaded` unless `n` more requests fit under
+        `max_in_flight` (the API checks a whole batch before admitting any of it)."""
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        s = self.scheduler
+        if s.num_in_flight + n > self.config.max_in_flight:
+            waits = [w.queued_seconds + w.running_estimate for w in s.workers.values()]
+            raise Overloaded(f"{s.num_in_flight} requests are queued or running and {n} more "
+                             f"would pass the limit {self.config.max_in_flight} (max_in_flight)",
+                             max(1, math.ceil(min(waits or [1]))))
+
+    def _finished(self, record: RequestRecord) -> None:
+        live = self.backend.prefills.pop(record.request.request_id, None)
+        completion = Completion(record, live)
+        for hook in self.record_hooks:
+            hook(completion)
+        future = self._futures.get(record.request.request_id)
+        if future is not None and not future.done():
+            future.set_result(completion)
+
+    # ------------------------------------------------------------------------------ admin
+    def split(self, worker_id: int) -> int:
+        """Splits an ACTIVE worker of degree 2C into its halves; returns the new epoch.
+
+        Raises ValueError (nothing changed) for an unknown, draining or degree-1 worker.
+        """
+        s = self.scheduler
+        w = s.workers.get(worker_id)
+        if w is None or w.status is not WorkerStatus.ACTIVE:
+            raise ValueError(f"worker_id={worker_id} is not an ACTIVE worker "
+                             f"(workers: {sorted(s.workers)})")
+        if w.cp_degree < 2:
+            raise ValueError(f"worker_id={worker_id} has cp_degree=1 and cannot be split")
+        self._check_degree(w.cp_degree // 2, "split")
+        specs = split_halves(w.spec, s.new_worker_ids(2), self.config.max_input_len)
+        epoch = s.begin_reconfiguration("split", [worker_id], specs, self.now()).epoch
+        self._admin_epochs.add(epoch)
+        return epoch
+
+    def merge(self, worker_ids: Sequence[int]) -> int:
+        """Merges two ACTIVE buddy workers into their aligned group; returns the new epoch.
+
+        Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies.
+        """
+        s = self.scheduler
+        if len(worker_ids) != 2 or len(set(worker_ids)) != 2:
+            raise ValueError(f"worker_ids must name two distinct workers, got {list(worker_ids)}")
+        ws = [s.workers.get(i) for i in worker_ids]
+        if any(w is None or w.status is not WorkerStatus.ACTIVE for w in ws):
+            raise ValueError(f"worker_ids={list(worker_ids)} must be ACTIVE workers "
+                             f"(workers: {sorted(s.workers)})")
+        a, b = sorted(ws, key=lambda w: w.spec.first_device)
+        self._check_degree(2 * a.cp_degree, "merge")
+        spec = merge_buddies(a.spec, b.spec, s.new_worker_ids(1)[0], self.config.max_input_len)
+        epoch = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec],
+                                        self.now()).epoch
+        self._admin_epochs.add(epoch)
+        return epoch
+
+    def _check_degree(self, c: int, kind: str) -> None:
+        if c not in self.degrees:
+            raise ValueError(f"a {kind} would create CP degree {c}, not one of the pool's "
+                             f"degrees {list(self.degrees)} (--degrees, each with a profile)")
+
+    def reconfigurations(self) -> list[dict]:
+        """Finished splits and merges (the scheduler's log), each with `origin`: "admin" (the
+        API) or "controller"."""
+        return [{**r, "origin": "admin" if r["epoch"] in self._admin_epochs else "controller"}
+                for r in self.scheduler.reconfiguration_log]
+
+    def reset_prefix_cache(self) -> int:
+        """Empties every worker's prefix cache and the scheduler's index of it; returns the
+        number of blocks freed (vLLM's `/reset_prefix_cache`, e.g. between benchmark runs).
+
+        Raises ValueError (nothing changed) while requests, splits, merges, copies or
+        reclamations are in flight.
+        """
+        s = self.scheduler
+        if s.num_in_flight or s.reconfigurations or s.replications or s.reclaims:
+            raise ValueError("the prefix cache can be reset only while the pool is idle (no "
+                             "request, split, merge, copy or reclamation in flight)")
+        freed = 0
+        for wid, evicted in self.backend.reset_prefix_cache().items():
+            s.kv_events(wid, (), evicted)
+            freed += len(evicted)
+        return freed
+
+    def workers(self) -> list[dict]:
+        """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use."""
+        out = []
+        for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
+            live = self.backend.workers.get(w.worker_id)
+            cached = len(live.cache) if live is not None else 0
+            out.append({
+                "worker_id": w.worker_id, "cp_degree": w.cp_degree,
+                "first_device": w.spec.first_device, "epoch": w.epoch,
+                "status": w.status.name.lower(), "queued_requests": len(w.queue),
+                "running": w.running is not None,
+                "outstanding_seconds": w.queued_seconds + w.running_estimate,
+                "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks})
+        return out

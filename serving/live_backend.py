@@ -1,0 +1,312 @@
+"""The live backend: real zigzag CP prefill on JAX submeshes, driving the same `Scheduler`.
+
+`LiveBackend` implements `serving.backend.Backend` over `vertumnus_jax` workers carved from a
+`mesh.DevicePool`. Each worker has one executor thread that runs its operations in order
+(prefills, and the copies and frees of the prefix-cache manager); a per-worker lock also
+serialises the operations that touch two workers (a replication reads its source). Nothing here
+blocks the caller: every `Backend` call enqueues work and returns; the outcome is handed back
+through `post(fn)`, which must run `fn` on the thread that owns the scheduler (the service's
+asyncio loop, `serving.engine.Engine`). Times given to the scheduler come from `clock()`
+(seconds since the service started).
+
+A failure inside one prefill (an exception from JAX, `OutOfBlocksError`) fails that request
+through `Scheduler.fail` with the exception's type and message; the worker goes on with its
+queue. Split and merge run on a separate re-carve thread once the scheduler has drained the old
+workers: weights are re-wrapped (zero bytes moved), KV blocks of retained prefixes are moved
+under the new striping (`vertumnus_jax.recarve`), every rank of each new worker is marked ready
+in the `DevicePool`, the new epoch is committed, and only then does the scheduler see the new
+workers (`finish_reconfiguration`). A replica is reported only after its copy has completed;
+a reclaimed prefix leaves the index only after its blocks were freed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+from mesh import DevicePool, ParamReplicas, worker_mesh
+from serving.backend import PrefillResult
+from serving.request import Request
+from vertumnus_jax import Worker, prefill_request, release_request
+from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
+
+
+@dataclasses.dataclass(frozen=True)
+class LivePrefill:
+    """What the API returns beyond the scheduler's `RequestRecord`, for one finished prefill.
+
+    Attributes:
+      worker_id, cp_degree: where it ran (the epoch is the scheduler's, in `RequestRecord`).
+      device_ids: the worker's device ids in rank order.
+      block_ids: the prompt's full KV blocks (block i on rank `i % cp_degree`), left in the
+        worker's prefix cache (unpinned) for the decode pool to pull.
+      block_size: tokens per block.
+      prefill_seconds: wall time of the prefill on the worker (seconds).
+    """
+
+    worker_id: int
+    cp_degree: int
+    device_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_size: int
+    prefill_seconds: float
+
+
+class LiveBackend:
+    """`Backend` over JAX workers (one per `DevicePool` group).
+
+    Args:
+      pool: the device pool; its groups are the initial workers (worker id = group id).
+      replicas: the model's weights, one replica per device (`mesh.ParamReplicas`).
+      graphdef: the model's `flax.nnx` graph definition (`nnx.split(model)[0]`).
+      num_blocks: KV blocks per device, >= 1.
+      block_size: tokens per KV block, a power of two.
+      post: `post(fn)` runs `fn()` on the scheduler's thread (thread-safe; e.g.
+        `loop.call_soon_threadsafe`).
+      clock: seconds since the service started (monotonic).
+      worker_kwargs: extra `vertumnus_jax.Worker` arguments (`interpret`, `block_sizes`,
+        `min_bucket`).
+
+    Attributes:
+      scheduler: set by the owner before the first request.
+      workers: worker id -> `vertumnus_jax.Worker`.
+      prefills: request id -> `LivePrefill`, filled before `Scheduler.complete` is posted;
+        the owner pops it when it answers the request.
+    """
+
+    def __init__(self, pool: DevicePool, replicas: ParamReplicas, graphdef, *, num_blocks: int,
+                 block_size: int, post: Callable[[Callable[[], None]], None],
+                 clock: Callable[[], float], **worker_kwargs) -> None:
+        self.pool, self.replicas, self.graphdef = pool, replicas, graphdef
+        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
+        self._post, self._clock = post, clock
+        self._worker_kwargs = worker_kwargs
+        self.scheduler = None
+        self.workers: dict[int, Worker] = {}
+        self._executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._recarver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recarve")
+        self.prefills: dict[str | int, LivePrefill] = {}
+        self.errors: list[str] = []  # failures of background operations, for logs and tests
+        self._closed = False
+        for group in pool.groups:
+            self._add(group.worker_id, self._new_worker(group.worker_id))
+
+    # ------------------------------------------------------------------------------ workers
+    def _new_worker(self, worker_id: int) -> Worker:
+        return self._worker_on(self.pool.mesh(worker_id))
+
+    def _worker_on(self, mesh) -> Worker:
+        return Worker.from_replicas(mesh, self.graphdef, self.replicas,
+                                    num_blocks=self.num_blocks, block_size=self.block_size,
+                                    **self._worker_kwargs)
+
+    def _mesh(self, group):
+        return worker_mesh(self.pool.devices, group.first_device, group.cp_degree)
+
+    def _add(self, worker_id: int, worker: Worker) -> None:
+        self.workers[worker_id] = worker
+        self._locks[worker_id] = threading.Lock()
+        self._executors[worker_id] = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"worker{worker_id}")
+
+    def _remove(self, worker_id: int) -> None:
+        self.workers.pop(worker_id)
+        self._locks.pop(worker_id)
+        self._executors.pop(worker_id).shutdown(wait=False)
+
+    def _submit(self, worker_id: int, fn: Callable[[], None],
+                on_refused: Callable[[str], None]) -> None:
+        """Runs `fn` on the worker's executor; `on_refused(reason)` when shut down."""
+        def guarded():
+            try:
+                fn()
+            except BaseException as e:  # never lose a background failure silently
+                self.errors.append(f"worker {worker_id}: {type(e).__name__}: {e}")
+                raise
+        if self._closed:
+            on_refused("the server is shutting down")
+            return
+        try:
+            self._executors[worker_id].submit(guarded)
+        except RuntimeError as e:  # executor shut down meanwhile
+            on_refused(str(e))
+
+    # ------------------------------------------------------------------------------ Backend
+    def start_prefill(self, worker_id: int, request: Request, now: float) -> None:
+        """Enqueues the prefill on the worker's executor; reports through `post`."""
+        worker, lock = self.workers[worker_id], self._locks[worker_id]
+
+        def run():
+            start = self._clock()
+            try:
+                with lock:
+                    result = prefill_request(worker, request.token_ids, request.block_hashes)
+                    release_request(worker, result)
+                    inserted, evicted = _drain(worker)
+            except Exception as e:  # JAX errors, OutOfBlocksError: this request fails alone
+                message = f"prefill failed on worker {worker_id}: {type(e).__name__}: {e}"
+                self._post(lambda: self.scheduler.fail(worker_id, request.request_id,
+                                                       self._clock(), message))
+                return
+            finish = self._clock()
+            n_full = request.input_len // self.block_size
+            self.prefills[request.request_id] = LivePrefill(
+                worker_id, worker.cp_degree, worker.device_ids,
+                tuple(int(b) for b in result.block_ids[:n_full]), self.block_size, finish - start)
+            done = PrefillResult(result.cached_tokens, finish, finish, inserted, evicted,
+                                 int(result.first_token))
+            self._post(lambda: self.scheduler.complete(worker_id, request.request_id, finish, done))
+
+        def refused(reason: str) -> None:
+            self._post(lambda: self.scheduler.fail(worker_id, request.request_id, self._clock(),
+                                                   f"prefill not started: {reason}"))
+
+        self._submit(worker_id, run, refused)
+
+    def recarve(self, reconfiguration, now: float) -> None:
+        """Splits or merges the drained workers on the re-carve thread (see module doc)."""
+        rec = reconfiguration
+        olds = [self.workers[w] for w in rec.old_ids]
+        locks = [self._locks[w] for w in sorted(rec.old_ids)]  # one global order: by worker id
+
+        def run():
+            for lock in locks:
+                lock.acquire()
+            try:
+                if rec.kind == "split":
+                    specs = sorted(rec.new_specs, key=lambda s: s.first_device)
+                    change = self.pool.begin_split(rec.old_ids[0],
+                                                   new_ids=tuple(s.worker_id for s in specs))
+                else:
+                    change = self.pool.begin_merge(*rec.old_ids,
+                                                   new_id=rec.new_specs[0].worker_id)
+                meshes = [self._mesh(g) for g in change.new_groups]
+                try:
+                    if rec.kind == "split":
+                        a, b, _ = split_worker(olds[0], tuple(meshes), replicas=self.replicas)
+                        workers = (a, b)
+                    else:
+                        merged, _ = merge_workers(olds[0], olds[1], meshes[0],
+                                                  replicas=self.replicas)
+                        workers = (merged,)
+                except Exception as e:  # keep serving: the new workers start with empty caches
+                    self.errors.append(f"KV move of epoch {rec.epoch} failed, new workers start "
+                                       f"cold: {type(e).__name__}: {e}")
+                    workers = tuple(self._worker_on(m) for m in meshes)
+                new = dict(zip(change.new_ids, workers))
+                for wid, worker in new.items():
+                    for rank in range(worker.cp_degree):
+                        change.mark_ready(wid, rank)
+                self.pool.commit(change)
+            except Exception as e:
+                self.errors.append(f"re-carve of epoch {rec.epoch} failed: {type(e).__name__}: {e}")
+                raise
+            finally:
+                for lock in locks:
+                    lock.release()
+
+            def finish():
+                for wid in rec.old_ids:
+                    self._remove(wid)
+                for wid, worker in new.items():
+                    self._add(wid, worker)
+                    worker.cache.drain_events()  # the new workers report their holdings whole
+                cached = {wid: list(w.cached_hashes()) for wid, w in new.items()}
+                self.scheduler.finish_reconfiguration(rec.epoch, self._clock(), cached)
+
+            self._post(finish)
+
+        self._recarver.submit(run)
+
+    def replicate(self, replication, now: float) -> None:
+        """Copies the missing blocks on the destination's executor; visible once copied."""
+        rep = replication
+        src, dst = self.workers.get(rep.src), self.workers.get(rep.dst)
+        if src is None or dst is None:
+            self._post(lambda: self.scheduler.finish_replication(rep, self._clock(), (), ()))
+            return
+        locks = [self._locks[w] for w in sorted({rep.src, rep.dst})]
+
+        def run():
+            inserted = evicted = ()
+            for lock in locks:
+                lock.acquire()
+            try:
+                result = replicate_prefix(src, dst, rep.chain)
+                inserted, evicted = tuple(result.inserted), tuple(result.evicted)
+                _drain(dst)  # reported through finish_replication instead
+            except Exception as e:  # the source lost the prefix, or no room: nothing copied
+                self.errors.append(f"replication {rep.src}->{rep.dst} failed: "
+                                   f"{type(e).__name__}: {e}")
+            finally:
+                for lock in reversed(locks):
+                    lock.release()
+            self._post(lambda: self.scheduler.finish_replication(
+                rep, self._clock(), inserted, evicted))
+
+        self._submit(rep.dst, run, lambda reason: self._post(
+            lambda: self.scheduler.finish_replication(rep, self._clock(), (), ())))
+
+    def reclaim(self, worker_id: int, chain, now: float) -> None:
+        """Frees the worker's unshared tail of `chain` on its executor; then confirms."""
+        worker = self.workers.get(worker_id)
+        chain = tuple(chain)
+        if worker is None:
+            self._post(lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ()))
+            return
+        lock = self._locks[worker_id]
+
+        def run():
+            evicted: Sequence[int] = ()
+            try:
+                with lock:
+                    evicted = tuple(reclaim_prefix(worker, chain))
+                    _drain(worker)
+            except Exception as e:
+                self.errors.append(f"reclaim on worker {worker_id} failed: {type(e).__name__}: {e}")
+            self._post(lambda: self.scheduler.finish_reclaim(
+                worker_id, chain, self._clock(), evicted))
+
+        self._submit(worker_id, run, lambda reason: self._post(
+            lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ())))
+
+    def reset_prefix_cache(self) -> dict[int, tuple[int, ...]]:
+        """Evicts every unreferenced cached block of every worker (vLLM's `reset_prefix_cache`).
+
+        Call only with no operation in flight (the engine checks). Returns, per worker id, the
+        evicted block hashes, for `Scheduler.kv_events`.
+        """
+        out = {}
+        for wid, worker in self.workers.items():
+            with self._locks[wid]:
+                worker.cache.evict(len(worker.cache))
+                out[wid] = _drain(worker)[1]
+        return out
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuses new work (prefills are then failed through the scheduler), drops work not yet
+        started, and waits for running operations when `wait`."""
+        self._closed = True
+        self._recarver.shutdown(wait=wait)
+        for ex in list(self._executors.values()):
+            ex.shutdown(wait=wait, cancel_futures=True)
+
+
+def _drain(worker: Worker) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The worker cache's events since the last drain, as (inserted, evicted) hashes in order.
+
+    A block inserted then evicted within one batch is reported as evicted only (and vice versa
+    as inserted only), so the scheduler's order "evictions, then insertions" gives the right
+    final state.
+    """
+    state: dict[int, bool] = {}
+    for event in worker.cache.drain_events():
+        state[event.block_hash] = event.kind == "insert"
+    inserted = tuple(h for h, present in state.items() if present)
+    evicted = tuple(h for h, present in state.items() if not present)
+    return inserted, evicted
+

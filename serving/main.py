@@ -1,0 +1,165 @@
+"""The serving binary: the live prefill pool behind an OpenAI-compatible HTTP API.
+
+    python -m serving.main                       # tiny model, 8 host CPU devices, 127.0.0.1:8000
+    python -m serving.main --composition=4,2,2 --controller=false --port=8100
+    python -m serving.main --checkpoint=/models/Qwen3-0.6B --profile=gpu_profile.csv \
+        --num_devices=8 --host=0.0.0.0 --api_key=$KEY --admin_api_key=$ADMIN
+
+On a CPU host, `--num_devices` host devices are created (jax_num_cpu_devices) before any device
+is touched. SIGTERM or Ctrl-C: the server stops accepting connections, finishes the prefills in
+flight, and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging as pylogging
+import os
+import signal
+import sys
+
+from absl import app, flags, logging
+
+from serving.cache_manager import CacheManagerConfig
+from serving.controller import ControllerConfig
+from serving.engine import EngineConfig
+from serving.server import ServerConfig
+
+_MODEL = flags.DEFINE_string("model", "tiny", "Built-in model with seeded random weights: tiny, "
+                             "tiny-moe, qwen3-0.6b, qwen3-8b, qwen3-30b-a3b.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Local Hugging Face checkpoint directory "
+                                  "(config.json, *.safetensors, tokenizer.json); overrides --model.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the built-in model's random weights.")
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the pool (on CPU: host "
+                                    "devices to create).", lower_bound=1)
+_COMPOSITION = flags.DEFINE_string("composition", "auto", "Initial CP degrees in device order, "
+                                   "e.g. 4,2,2, or 'auto' (paper section 6, from --expected_rate "
+                                   "and --expected_input_len).")
+_DEGREES = flags.DEFINE_list("degrees", ["1", "2", "4", "8"], "CP degrees the pool may use.")
+_EXPECTED_RATE = flags.DEFINE_float("expected_rate", 4.0, "Expected request rate (req/s) for "
+                                    "--composition=auto.", lower_bound=1e-9)
+_EXPECTED_LEN = flags.DEFINE_integer("expected_input_len", 512, "Expected prompt length "
+                                     "(tokens) for --composition=auto.", lower_bound=1)
+_PROFILE = flags.DEFINE_string("profile", None, "Prefill profile CSV (cp,input_len,cached_len,"
+                               "seconds) for the router's cost model; default: the built-in "
+                               "CPU profile of the tiny model (vertumnus_jax.profile makes one).")
+_ROUTER = flags.DEFINE_string("router", None, "A router class 'module:Class' instead of "
+                              "Vertumnus's placement-cost router (the plug-ins eval.replay takes).")
+_BETA = flags.DEFINE_float("beta", 1.0, "Router weight of the cache-aware prefill time.",
+                           lower_bound=0.0)
+_LAM = flags.DEFINE_float("lam", 1.0, "Router weight of the GPU-time cost.", lower_bound=0.0)
+_CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
+_UPPER = flags.DEFINE_float("upper", 0.85, "Controller: split above this load.")
+_LOWER = flags.DEFINE_float("lower", 0.35, "Controller: merge below this load.")
+_HOLD = flags.DEFINE_float("hold_s", 10.0, "Controller: seconds a condition must hold.")
+_COOLDOWN = flags.DEFINE_float("cooldown_s", 10.0, "Controller: seconds between operations.")
+_WINDOW = flags.DEFINE_float("window_s", 30.0, "Controller: demand smoothing window (s).")
+_LONG = flags.DEFINE_integer("long_threshold", 1024, "Controller: a 'long' prompt (tokens).")
+_CACHE_MANAGER = flags.DEFINE_boolean("cache_manager", True, "Run the prefix-cache manager.")
+_SCAN = flags.DEFINE_float("scan_interval_s", 5.0, "Prefix trie scan interval (seconds).")
+_KV_BLOCKS = flags.DEFINE_integer("kv_blocks_per_device", 256, "KV blocks per device.",
+                                  lower_bound=1)
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block (a power of two).",
+                                   lower_bound=1)
+_MAX_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest prompt accepted (tokens).",
+                                lower_bound=1)
+_MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 256, "Queued + running requests beyond "
+                                      "which new ones get 429.", lower_bound=1)
+_TICK = flags.DEFINE_float("tick_s", 0.25, "Scheduler tick period (seconds).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=0, upper_bound=65535)
+_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key required on every endpoint.")
+_ADMIN_KEY = flags.DEFINE_string("admin_api_key", None, "Bearer key of the admin endpoints "
+                                 "(split/merge); they are disabled without one.")
+_SHUTDOWN = flags.DEFINE_float("shutdown_timeout_s", None, "Seconds after SIGTERM to wait for "
+                               "accepted requests; those unfinished then get 503 (default: "
+                               "wait until they finish).", lower_bound=0.0)
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "~/.cache/vertumnus-jax/xla",
+                                 "JAX persistent compilation cache directory: a restarted server "
+                                 "loads its prefill executables instead of compiling them; "
+                                 "empty = off.")
+_LOG_LEVEL = flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"],
+                               "Log level of the server and the HTTP access log.")
+
+
+def _ints(values, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise app.UsageError(f"--{name} must be comma-separated integers, got {values}") from None
+
+
+def server_config() -> ServerConfig:
+    """The `ServerConfig` the flags describe (raises `app.UsageError` on a bad value)."""
+    comp = None if _COMPOSITION.value == "auto" else _ints(_COMPOSITION.value.split(","),
+                                                           "composition")
+    degrees = _ints(_DEGREES.value, "degrees")
+    try:
+        ctl = ControllerConfig(upper=_UPPER.value, lower=_LOWER.value, hold_s=_HOLD.value,
+                               cooldown_s=_COOLDOWN.value, window_s=_WINDOW.value,
+                               long_threshold=_LONG.value)
+        engine = EngineConfig(
+            block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
+            max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
+            controller=_CONTROLLER.value, controller_config=ctl,
+            cache_manager=_CACHE_MANAGER.value,
+            cache_config=CacheManagerConfig(scan_interval_s=_SCAN.value),
+            tick_seconds=_TICK.value, max_in_flight=_MAX_IN_FLIGHT.value)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    return ServerConfig(model=_MODEL.value, checkpoint=_CHECKPOINT.value, seed=_SEED.value,
+                        composition=comp, degrees=degrees, expected_rate=_EXPECTED_RATE.value,
+                        expected_input_len=_EXPECTED_LEN.value, profile=_PROFILE.value,
+                        engine=engine, api_key=_API_KEY.value, admin_api_key=_ADMIN_KEY.value,
+                        shutdown_timeout=_SHUTDOWN.value, router=_ROUTER.value)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = server_config()
+    # jax logs an INFO line per absent accelerator plugin (libtpu, ...): not news on this host.
+    pylogging.getLogger("jax._src.xla_bridge").setLevel(pylogging.WARNING)
+    import jax  # after flag parsing: the device count must be set before jax starts
+
+    # Only the CPU backend reads this; it must be set before any backend starts.
+    jax.config.update("jax_num_cpu_devices", _NUM_DEVICES.value)
+    if _CACHE_DIR.value:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE_DIR.value))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    devices = jax.devices()
+    if len(devices) < _NUM_DEVICES.value:
+        raise app.UsageError(f"--num_devices={_NUM_DEVICES.value} but only {len(devices)} "
+                             f"{jax.default_backend()} devices exist")
+    import uvicorn
+
+    from serving.server import build_app
+
+    try:
+        application = build_app(config, devices[:_NUM_DEVICES.value])
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
+                 _HOST.value, _PORT.value, _NUM_DEVICES.value)
+    pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
+    engine = application.state.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: the shutdown deadline starts now
+            super().handle_exit(sig, frame)
+            engine.request_shutdown(_SHUTDOWN.value)
+
+    server = Server(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
+                                   log_level=_LOG_LEVEL.value))
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT (waits for open requests, which the
+    # engine answers by its deadline), then re-raises the signal to the handler it found; a
+    # no-op handler makes that graceful shutdown end in exit status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if not server.started:
+        sys.exit(f"error: the server could not start on {_HOST.value}:{_PORT.value}")
+    logging.info("server stopped")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,179 @@
+"""Assembles the live pool: model, device pool, weights, cost model, engine and HTTP app.
+
+`build_app(ServerConfig, devices)` is what `python -m serving.main` runs (and what the
+end-to-end tests run in-process). The model is the built-in config with seeded random weights
+(`tiny` by default) or a local Hugging Face checkpoint directory; nothing is downloaded.
+Weights are placed once, one replica per device (`mesh.ParamReplicas`); every worker, and every
+worker that a later split or merge creates, re-wraps those buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+from serving.controller import initial_composition
+from serving.cost_model import PrefillCostModel
+from serving.engine import Engine, EngineConfig
+from serving.plugins import router_from_spec
+from serving.profiles import read_profile_csv
+from serving.tokenizer import load_tokenizer
+from serving.worker import WorkerSpec
+
+# Measured with `python -m vertumnus_jax.profile --model=tiny --cpu_devices=8` on the project's
+# 2-core CI machine (serving/data/README.md); the router's estimates for the built-in model.
+DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "data", "tiny_cpu8.csv")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What the serving binary's flags set (see `serving.main` for each flag's meaning).
+
+    Attributes:
+      model: a named config with seeded random weights (`vertumnus_jax.ModelConfig.named`).
+      checkpoint: a local HF checkpoint directory (overrides `model`), or None.
+      seed: seed of the random weights.
+      composition: CP degrees in device order, or None for `auto` (from expected demand).
+      degrees: CP degrees the pool may use (auto composition and the controller's range).
+      expected_rate, expected_input_len: historical demand for `auto` (req/s, tokens).
+      profile: prefill profile CSV the router's cost model is fitted on (None: the built-in
+        CPU profile of the tiny model).
+      engine: `EngineConfig`.
+      api_key, admin_api_key: bearer keys (None: open / admin disabled).
+      shutdown_timeout: seconds to wait for in-flight prefills at shutdown (None: no limit).
+      interpret: Pallas interpret mode (None: exactly on CPU).
+      router: None for `VertumnusRouter(beta, lam)`, or "module:Class" naming a router class
+        (`serving.plugins.router_from_spec`), the same plug-ins `eval.replay` takes.
+      min_bucket: smallest padded length of a prefill's uncached tokens (a power of two);
+        fewer distinct lengths mean fewer compilations.
+    """
+
+    model: str = "tiny"
+    checkpoint: str | None = None
+    seed: int = 0
+    composition: tuple[int, ...] | None = None
+    degrees: tuple[int, ...] = (1, 2, 4, 8)
+    expected_rate: float = 4.0
+    expected_input_len: int = 512
+    profile: str | None = None
+    engine: EngineConfig = EngineConfig()
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    shutdown_timeout: float | None = None
+    interpret: bool | None = None
+    min_bucket: int = 16
+    router: str | None = None
+
+
+def usable_degrees(config: ServerConfig, num_devices: int) -> list[int]:
+    """`config.degrees` that fit `num_devices` devices, sorted (larger ones are dropped).
+
+    Raises:
+      ValueError: a degree that is not a power of two >= 1, or none that fits.
+    """
+    bad = [c for c in config.degrees if not isinstance(c, int) or c < 1 or c & (c - 1)]
+    if bad:
+        raise ValueError(f"degrees must be powers of two >= 1, got {list(config.degrees)}")
+    degrees = sorted({c for c in config.degrees if c <= num_devices})
+    if not degrees:
+        raise ValueError(f"no degree of {list(config.degrees)} fits num_devices={num_devices}")
+    return degrees
+
+
+def choose_composition(config: ServerConfig, num_devices: int,
+                       cost_model: PrefillCostModel) -> list[int]:
+    """The initial composition: `config.composition`, or the paper's rule on expected demand.
+
+    Raises:
+      ValueError: a composition that does not fill `num_devices` devices with powers of two in
+        `config.degrees`, or degrees the cost model has no profile for.
+    """
+    degrees = usable_degrees(config, num_devices)
+    if not (math.isfinite(config.expected_rate) and config.expected_rate > 0):
+        raise ValueError(f"expected_rate must be a finite number > 0 req/s, got "
+                         f"{config.expected_rate}")
+    missing = [c for c in degrees if c not in cost_model.degrees]
+    if missing:
+        raise ValueError(f"degrees {missing} have no prefill profile (profile has "
+                         f"{list(cost_model.degrees)}); pass --profile or fewer --degrees")
+    if config.composition is not None:
+        comp = list(config.composition)
+        if sum(comp) != num_devices or any(c not in degrees for c in comp):
+            raise ValueError(f"composition {comp} must use degrees in {degrees} and sum to "
+                             f"num_devices={num_devices}")
+        return comp
+    ctl = config.engine.controller_config
+    return initial_composition(
+        num_devices, degrees, config.expected_rate,
+        lambda c: cost_model.predict(c, config.expected_input_len, 0), ctl.upper)
+
+
+def build_engine(config: ServerConfig, devices: Sequence):
+    """The engine, tokenizer, model name and vocabulary size for `config` on `devices`.
+
+    Imports jax here (not at module import) so the policy-only modules stay jax-free.
+
+    Raises:
+      ValueError / FileNotFoundError: a bad composition, profile, model name or checkpoint.
+    """
+    from flax import nnx
+
+    from mesh import DevicePool, ParamReplicas
+    from serving.live_backend import LiveBackend
+    from vertumnus_jax import ModelConfig, block_hashes, init_model, load_hf_checkpoint
+    from vertumnus_jax.block_hash import block_content_id, chain_hashes
+
+    ecfg = config.engine
+    if config.checkpoint is not None:
+        model = load_hf_checkpoint(config.checkpoint)
+        name = os.path.basename(os.path.normpath(config.checkpoint))
+    else:
+        model = init_model(ModelConfig.named(config.model), seed=config.seed)
+        name = config.model
+    vocab = model.config.vocab_size
+    tokenizer = load_tokenizer(config.checkpoint, vocab)
+    profile = config.profile or DEFAULT_PROFILE
+    cost_model = PrefillCostModel.fit(read_profile_csv(profile))
+    composition = choose_composition(config, len(devices), cost_model)
+    degrees = usable_degrees(config, len(devices))
+    ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
+                              max_degree=degrees[-1])
+    ecfg = dataclasses.replace(ecfg, controller_config=ctl)
+    pool = DevicePool(list(devices), composition)
+    graphdef, state = nnx.split(model)
+    replicas = ParamReplicas(state, list(devices))
+    del model, state
+    specs = [WorkerSpec(g.worker_id, g.cp_degree, g.first_device,
+                        ecfg.kv_blocks_per_device * g.cp_degree, ecfg.max_input_len(g.cp_degree))
+             for g in pool.groups]
+    bs = ecfg.block_size
+
+    def hash_prompt(token_ids):
+        full = block_hashes(token_ids, bs)
+        rest = len(token_ids) % bs
+        if rest:
+            tail = block_content_id(list(token_ids)[-rest:])
+            full = full + chain_hashes([tail], full[-1] if full else 0)
+        return full
+
+    def make_backend(post, clock):
+        return LiveBackend(pool, replicas, graphdef, num_blocks=ecfg.kv_blocks_per_device,
+                           block_size=bs, post=post, clock=clock, interpret=config.interpret,
+                           min_bucket=config.min_bucket)
+
+    router = router_from_spec(config.router) if config.router else None
+    engine = Engine(ecfg, make_backend, specs, cost_model, len(devices), hash_prompt,
+                    router=router, degrees=degrees)
+    return engine, tokenizer, name, vocab
+
+
+def build_app(config: ServerConfig, devices: Sequence):
+    """The FastAPI app serving `config` on `devices` (started by its lifespan)."""
+    from serving.api import create_app
+
+    engine, tokenizer, name, vocab = build_engine(config, devices)
+    return create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
+                      api_key=config.api_key, admin_api_key=config.admin_api_key,
+                      shutdown_timeout=config.shutdown_timeout)

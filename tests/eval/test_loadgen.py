@@ -1,0 +1,63 @@
+"""The load generator against a real HTTP server (uvicorn in a thread, fake backend, no JAX)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from eval.live_prompts import PromptScale, scaled_requests
+from eval.live_client import replay, wait_healthy, workload
+from eval.metrics import summarize
+from tests.serving.api_fixtures import make_client
+
+
+@pytest.fixture()
+def server_url():
+    client, engine = make_client(seconds=0.02)
+    server = uvicorn.Server(uvicorn.Config(client.app, host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    end = time.monotonic() + 20
+    while not server.started and time.monotonic() < end:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 20)
+    yield url, engine
+    server.should_exit = True
+    thread.join(20)
+
+
+def test_replay_builtin_workload(server_url):
+    url, engine = server_url
+    reqs, name = workload("", "auto", duration=3.0, rate=0.0, seed=0, trace_block_size=512)
+    assert name == "toolagent" and len(reqs) >= 5
+    pairs = scaled_requests(reqs, PromptScale(16, 256, max_len=1024), 16)
+    t0 = time.perf_counter()
+    records, state = asyncio.run(replay(url, pairs))
+    wall = time.perf_counter() - t0
+    assert len(records) == len(pairs) and all(r.ok for r in records), [r.error for r in records]
+    # arrival times honoured: the run lasts at least the workload's span
+    assert wall >= reqs[-1].arrival_time
+    for rec, (req, tokens) in zip(records, pairs):
+        assert rec.request is req
+        assert rec.first_token == sum(tokens) % 256  # the fake backend's token
+        assert rec.ttft >= rec.finish_time - rec.start_time > 0
+    out = summarize(records)
+    assert out["completed"] == len(pairs) and out["mean_ttft_ms"] > 0
+    assert out["total_input_tokens"] == sum(len(t) for _, t in pairs)
+    assert engine.scheduler.num_completed == len(pairs)
+    assert state["composition"] == [4, 2, 2] and state["max_send_lag_s"] >= 0
+
+
+def test_http_errors_become_failed_records(server_url):
+    url, _ = server_url
+    reqs, _ = workload("", "auto", duration=2.0, rate=0.0, seed=1, trace_block_size=512)
+    pairs = scaled_requests(reqs[:2], PromptScale(16, 300, max_len=4096), 16)  # ids >= 256
+    records, _ = asyncio.run(replay(url, pairs))
+    assert all(not r.ok and r.error.startswith("HTTP 400") for r in records)

@@ -1,0 +1,52 @@
+"""An engine with the fake backend behind the real HTTP app, for the API, plug-in and load
+generator tests (no JAX)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi.testclient import TestClient
+
+from serving.api import create_app
+from serving.cost_model import PrefillCostModel
+from serving.engine import Engine, EngineConfig
+from serving.profiles import read_profile_csv
+from serving.server import DEFAULT_PROFILE
+from serving.tokenizer import ByteTokenizer
+from serving.worker import layout_workers
+from tests.serving.fake_backend import FakeBackend
+
+BS = 16
+
+
+def make_client(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="admin",
+                fail_token=None, composition=(4, 2, 2), max_model_len=1024, router=None, degrees=(1, 2, 4, 8)):
+    cfg = EngineConfig(block_size=BS, kv_blocks_per_device=64, max_model_len=max_model_len,
+                       controller=False, cache_manager=False, max_in_flight=max_in_flight,
+                       tick_seconds=0.05)
+    specs = layout_workers(list(composition), 64, max_model_len)
+    cost = PrefillCostModel.fit(read_profile_csv(DEFAULT_PROFILE))
+
+    def make_backend(post, clock):
+        return FakeBackend(post, clock, seconds=seconds, fail_token=fail_token,
+                           worker_ids=[s.worker_id for s in specs])
+
+    def hash_prompt(tokens):
+        from serving.request import chain_block_hashes
+        return chain_block_hashes(hash(tuple(tokens[i:i + BS])) for i in range(0, len(tokens), BS))
+
+    engine = Engine(cfg, make_backend, specs, cost, sum(composition), hash_prompt, router=router,
+                    degrees=degrees)
+    app = create_app(engine, tokenizer=ByteTokenizer(256), model_name="tiny", vocab_size=256,
+                     api_key=api_key, admin_api_key=admin_api_key)
+    return TestClient(app), engine
+
+
+def wait_until(cond, timeout=120.0):
+    """Polls `cond()` every 20 ms until true; AssertionError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")

@@ -1,0 +1,81 @@
+"""A thread-based stand-in for the live backend (no JAX), for engine and API tests.
+
+Each prefill takes `seconds` on a timer thread and reports through `post`, like
+`serving.live_backend.LiveBackend`; the first token is `sum(token_ids) % vocab_size`; the cache
+of a worker is the set of block hashes it has prefilled, matched as a leading run.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+from serving.backend import PrefillResult
+
+
+class FakeBackend:
+    def __init__(self, post, clock, *, seconds: float = 0.01, vocab_size: int = 256,
+                 fail_token: int | None = None, worker_ids=()):
+        self._post, self._clock = post, clock
+        self.seconds, self.vocab_size, self.fail_token = seconds, vocab_size, fail_token
+        self.scheduler = None
+        self.workers = {w: types.SimpleNamespace(cache=set()) for w in worker_ids}
+        self.prefills: dict = {}
+        self.started: list = []
+        self._timers: list[threading.Timer] = []
+
+    def _later(self, fn):
+        t = threading.Timer(self.seconds, lambda: self._post(fn))
+        self._timers.append(t)
+        t.start()
+
+    def start_prefill(self, worker_id, request, now):
+        self.started.append((worker_id, request.request_id))
+        cache = self.workers[worker_id].cache
+        hit = 0
+        for h in request.block_hashes[:request.max_cacheable_blocks]:
+            if h not in cache:
+                break
+            hit += 1
+        tokens = list(request.token_ids)
+
+        def done():
+            if self.fail_token is not None and self.fail_token in tokens:
+                self.scheduler.fail(worker_id, request.request_id, self._clock(),
+                                    "prefill failed: RuntimeError: injected")
+                return
+            new = [h for h in request.block_hashes[:request.full_blocks] if h not in cache]
+            cache.update(new)
+            t = self._clock()
+            self.scheduler.complete(worker_id, request.request_id, t, PrefillResult(
+                hit * request.block_size, t, t, new, (), sum(tokens) % self.vocab_size))
+
+        self._later(done)
+
+    def recarve(self, rec, now):
+        merged = set().union(*(self.workers.pop(w).cache for w in rec.old_ids))
+
+        def done():
+            for s in rec.new_specs:
+                self.workers[s.worker_id] = types.SimpleNamespace(cache=set(merged))
+            self.scheduler.finish_reconfiguration(
+                rec.epoch, self._clock(), {s.worker_id: list(merged) for s in rec.new_specs})
+
+        self._later(done)
+
+    def replicate(self, rep, now):
+        self._later(lambda: self.scheduler.finish_replication(rep, self._clock(), (), ()))
+
+    def reclaim(self, worker_id, chain, now):
+        self._later(lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ()))
+
+    def reset_prefix_cache(self):
+        out = {}
+        for wid, w in self.workers.items():
+            out[wid] = tuple(w.cache)
+            w.cache.clear()
+        return out
+
+    def shutdown(self, wait=True):
+        for t in self._timers:
+            t.join()

@@ -1,0 +1,61 @@
+"""The serving binary as a process: flag errors, and SIGTERM finishing in-flight prefills."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from eval.live_client import wait_healthy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_flags_exit_with_a_message():
+    out = subprocess.run([sys.executable, "-m", "serving.main", "--composition=3,5",
+                          "--compilation_cache_dir="], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "composition [3, 5]" in out.stderr and "sum to" in out.stderr
+
+
+def test_sigterm_finishes_in_flight_prefills_and_exits_0(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.main", f"--port={port}", "--composition=4,4",
+         "--controller=false", "--cache_manager=false", "--log_level=warning",
+         f"--compilation_cache_dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(url, 180, proc)
+        prompts = [[i + 1] * (20 + 30 * i) for i in range(4)]  # new length buckets: compiles
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(httpx.post, f"{url}/v1/completions",
+                                   json={"prompt": p}, timeout=300) for p in prompts]
+            end = time.monotonic() + 180
+            while time.monotonic() < end:
+                busy = [w for w in httpx.get(f"{url}/v1/workers").json()["workers"]
+                        if w["running"] or w["queued_requests"]]
+                if busy:
+                    break
+                time.sleep(0.05)
+            assert busy, "no request reached a worker"
+            proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 4
+        assert [r.json()["usage"]["prompt_tokens"] for r in responses] == [len(p) for p in prompts]
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
