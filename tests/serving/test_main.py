@@ -31,25 +31,24 @@ def test_bad_flags_exit_with_a_message():
 def test_sigterm_finishes_in_flight_prefills_and_exits_0(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")  # a pipe nobody reads could fill and block it
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.main", f"--port={port}", "--composition=4,4",
          "--controller=false", "--cache_manager=false", "--log_level=warning",
          f"--compilation_cache_dir={tmp_path}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, 180, proc)
         prompts = [[i + 1] * (20 + 30 * i) for i in range(4)]  # new length buckets: compiles
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(httpx.post, f"{url}/v1/completions",
                                    json={"prompt": p}, timeout=300) for p in prompts]
-            end = time.monotonic() + 180
-            while time.monotonic() < end:
-                busy = [w for w in httpx.get(f"{url}/v1/workers").json()["workers"]
-                        if w["running"] or w["queued_requests"]]
-                if busy:
-                    break
+            # SIGTERM once the server has accepted all four (later ones would get 503, rightly)
+            end, accepted = time.monotonic() + 180, 0
+            while time.monotonic() < end and accepted < 4:
                 time.sleep(0.05)
-            assert busy, "no request reached a worker"
+                accepted = _accepted(url)
+            assert accepted == 4, f"the server accepted {accepted} of 4 requests"
             proc.send_signal(signal.SIGTERM)
             responses = [f.result() for f in futures]
         assert [r.status_code for r in responses] == [200] * 4
@@ -59,3 +58,14 @@ def test_sigterm_finishes_in_flight_prefills_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
+
+
+def _accepted(url: str) -> int:
+    """Requests the server holds (queued or running) plus those it completed."""
+    workers = httpx.get(f"{url}/v1/workers").json()["workers"]
+    held = sum(w["queued_requests"] + int(w["running"]) for w in workers)
+    metrics = httpx.get(f"{url}/metrics").text.splitlines()
+    done = next(int(float(line.split()[-1])) for line in metrics
+                if line.startswith("vertumnus:request_success_total"))
+    return held + done
