@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from eval.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
-from eval.simulator import SimConfig, simulate
+from eval.simulator import SimConfig, intern_block_hashes, simulate
 from eval.slo import SloSpec, assign_slos
 from eval.systems import Demand, PoolConfig, System, build_system, expand_systems
 from eval.workloads import prefix_hit_tokens, scale_to_rate
@@ -339,7 +339,8 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
     tp = by_par.get("tp", set())
     degrees = by_par.get("cp") or tp
     env = ReplayEnv.build(cfg, requests[0].block_size, degrees, tp)
-    with_slo = assign_slos(requests, SloSpec.parse(cfg.slo), env.isolated_ttft)
+    # Dense block ids (same equalities and order, cheaper to hash): see `intern_block_hashes`.
+    with_slo = intern_block_hashes(assign_slos(requests, SloSpec.parse(cfg.slo), env.isolated_ttft))
     if cfg.rates:
         rates = [(r, None) for r in cfg.rates]
     else:

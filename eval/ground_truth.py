@@ -108,7 +108,10 @@ class GroundTruthProfile:
           ValueError: unknown cp_degree; unless 1 <= input_len and 0 <= cached_len <= input_len;
             input_len above `max_input_len(cp_degree)` (naming both).
         """
-        lens, rows = self._rows(cp_degree)
+        entry = self._degrees.get(cp_degree)
+        if entry is None:
+            self._rows(cp_degree)  # raises, naming the degrees
+        lens, rows = entry
         if not 0 <= cached_len <= input_len or input_len < 1:
             raise ValueError(f"need 1 <= input_len and 0 <= cached_len <= input_len, got "
                              f"input_len={input_len}, cached_len={cached_len}")
@@ -120,13 +123,28 @@ class GroundTruthProfile:
             raise ValueError(f"input_len={input_len} exceeds the profile's maximum "
                              f"{lens[-1]} for cp_degree={cp_degree}")
         i = bisect_right(lens, input_len) - 1
+        # `_interp_row` inlined for both rows (the simulator's hot path); same arithmetic.
         rs, ts = rows[i]
-        t0 = _interp_row(rs, ts, r)
-        if lens[i] == input_len:
+        if r <= rs[0]:
+            t0 = ts[0]
+        elif r >= rs[-1]:
+            t0 = ts[-1]
+        else:
+            j = bisect_right(rs, r)
+            r0 = rs[j - 1]
+            t0 = ts[j - 1] + (ts[j] - ts[j - 1]) * (r - r0) / (rs[j] - r0)
+        L0 = lens[i]
+        if L0 == input_len:
             return t0
         rs, ts = rows[i + 1]
-        t1 = _interp_row(rs, ts, r)
-        L0 = lens[i]
+        if r <= rs[0]:
+            t1 = ts[0]
+        elif r >= rs[-1]:
+            t1 = ts[-1]
+        else:
+            j = bisect_right(rs, r)
+            r0 = rs[j - 1]
+            t1 = ts[j - 1] + (ts[j] - ts[j - 1]) * (r - r0) / (rs[j] - r0)
         return t0 + (t1 - t0) * (input_len - L0) / (lens[i + 1] - L0)
 
     def seconds(self, cp_degree: int, input_len: int, cached_len: int) -> float:

@@ -9,8 +9,17 @@ ancestors are always more recent than its descendants and LRU eviction takes lea
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
+
+try:  # the C loop behind `collections.Counter.update`: counts an iterable into a dict
+    from collections import _count_elements as count_elements
+except ImportError:  # pragma: no cover (Python builds without the C helper)
+    def count_elements(mapping: dict, iterable) -> None:
+        """`mapping[x] += 1` for each x of `iterable` (missing keys start at 0)."""
+        get = mapping.get
+        for x in iterable:
+            mapping[x] = get(x, 0) + 1
 
 _ABSENT = object()
 
@@ -31,7 +40,10 @@ class LocalPrefixCache:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent hash, oldest first
+        # hash -> parent hash, least recently used first: a plain dict keeps insertion order, so
+        # touching a block is `pop` + re-insert (cheaper under churn than an OrderedDict, whose
+        # node index is rebuilt each time the underlying table is).
+        self._lru: dict[int, int | None] = {}
         self._reserved = 0  # blocks allocated to a running prefill, not yet cached
         # hash -> number of cached blocks whose parent it is; built on the first
         # `reclaim_suffix` and kept up to date from then on (None: not tracked, no cost).
@@ -53,16 +65,21 @@ class LocalPrefixCache:
                 del children[parent]
 
     def _evict_lru(self, n: int) -> list[int]:
-        lru, evicted = self._lru, []
-        popitem = lru.popitem
-        if self._children is None:
-            for _ in range(n):
-                evicted.append(popitem(last=False)[0])
+        lru = self._lru
+        evicted = list(islice(lru, n))  # the n least recently used, oldest first
+        children = self._children
+        if children is None:
+            for h in evicted:
+                del lru[h]
             return evicted
-        for _ in range(n):
-            h, parent = popitem(last=False)
-            self._forget(parent)
-            evicted.append(h)
+        for h in evicted:  # inline of `_forget`
+            parent = lru.pop(h)
+            if parent is not None:
+                c = children[parent] - 1
+                if c:
+                    children[parent] = c
+                else:
+                    del children[parent]
         return evicted
 
     def __len__(self) -> int:
@@ -105,9 +122,13 @@ class LocalPrefixCache:
                 f"request needs {total_blocks} KV blocks, more than the worker's "
                 f"capacity_blocks={self.capacity_blocks}")
         lru = self._lru
-        hit = self.match(block_hashes, max_blocks)
-        for k in range(hit - 1, -1, -1):
-            lru.move_to_end(block_hashes[k])
+        hit = 0  # inline of `match` (hot path)
+        limit = min(max_blocks, len(block_hashes))
+        while hit < limit and block_hashes[hit] in lru:
+            hit += 1
+        for k in range(hit - 1, -1, -1):  # touch the hit, last block first
+            h = block_hashes[k]
+            lru[h] = lru.pop(h)
         need = total_blocks - hit
         over = len(lru) + self._reserved + need - self.capacity_blocks
         evicted = self._evict_lru(over) if over > 0 else []
@@ -129,22 +150,38 @@ class LocalPrefixCache:
         """
         self._reserved -= total_blocks - hit_blocks
         lru = self._lru
-        inserted = []
-        for k in range(full_blocks - 1, hit_blocks - 1, -1):
-            h = block_hashes[k]
-            if h in lru:
-                lru.move_to_end(h)
-            elif self._children is None:  # hot path: no child tracking
-                lru[h] = block_hashes[k - 1] if k else None
-                inserted.append(h)
-            else:
+        new = block_hashes[hit_blocks:full_blocks]
+        children = self._children
+        n = len(lru)
+        fast = bool(new) and lru.keys().isdisjoint(new)
+        if fast:
+            # Hot path, none of the new blocks cached yet: insert them at C speed, last first.
+            parents = block_hashes[hit_blocks - 1:full_blocks - 1] if hit_blocks else (
+                (None, *block_hashes[:full_blocks - 1]))
+            inserted = new[::-1]
+            lru.update(zip(inserted, parents[::-1]))
+            if len(lru) - n == len(new):
+                if children is not None:  # parents of blocks 1.. (block 0 has none)
+                    count_elements(children, block_hashes[max(hit_blocks, 1) - 1:full_blocks - 1])
+                inserted = list(inserted)
+            else:  # a hash repeats within the chain: undo, then one block at a time
+                for h in new:
+                    lru.pop(h, None)
+                fast = False
+        if not fast:
+            inserted = []
+            for k in range(full_blocks - 1, hit_blocks - 1, -1):
+                h = block_hashes[k]
+                if h in lru:
+                    lru[h] = lru.pop(h)  # touch
+                    continue
                 self._insert(h, block_hashes[k - 1] if k else None)
                 inserted.append(h)
         # Re-touch the hit so that ancestors stay more recent than the new descendants.
         for k in range(hit_blocks - 1, -1, -1):
             h = block_hashes[k]
             if h in lru:
-                lru.move_to_end(h)
+                lru[h] = lru.pop(h)
         return inserted
 
     def evict_blocks(self, block_hashes: Sequence[int]) -> list[int]:
@@ -173,7 +210,7 @@ class LocalPrefixCache:
         for k in range(len(chain) - 1, -1, -1):
             h = chain[k]
             if h in lru:
-                lru.move_to_end(h)
+                lru[h] = lru.pop(h)  # touch
             else:
                 self._insert(h, chain[k - 1] if k else None)
                 inserted.append(h)
@@ -192,9 +229,7 @@ class LocalPrefixCache:
         lru = self._lru
         if self._children is None:  # start tracking: one O(n) pass, then incremental
             self._children = {}
-            for p in lru.values():
-                if p is not None:
-                    self._children[p] = self._children.get(p, 0) + 1
+            count_elements(self._children, (p for p in lru.values() if p is not None))
         children = self._children
         evicted = []
         for h in reversed(chain):

@@ -159,18 +159,19 @@ class SimulatedBackend:
         """Takes the hit and makes room now (evictions reported at once, as KV events); the new
         blocks are cached and reported when the prefill completes (`finish_prefill`)."""
         cache = self.caches[worker_id]
-        bs = request.block_size
-        total = -(-request.input_len // bs)
-        hit, evicted = cache.begin(request.block_hashes, request.max_cacheable_blocks, total)
+        bs, n = request.block_size, request.input_len
+        total = -(-n // bs)
+        hit, evicted = cache.begin(request.block_hashes, (n - 1) // bs, total)  # max cacheable
         if evicted:
             self.scheduler.kv_events(worker_id, (), evicted)
-        finish = now + self._prefill_seconds(self.degrees[worker_id], request.input_len, hit * bs)
+        finish = now + self._prefill_seconds(self.degrees[worker_id], n, hit * bs)
         self._push(finish, (worker_id, request, hit, total))
 
     def finish_prefill(self, payload: tuple, now: float) -> None:
         """The completion event of `start_prefill`: caches the new full blocks, reports them."""
         worker_id, request, hit, total = payload
-        inserted = self.caches[worker_id].finish(request.block_hashes, hit, request.full_blocks, total)
+        bs = request.block_size
+        inserted = self.caches[worker_id].finish(request.block_hashes, hit,
+                                                 request.input_len // bs, total)  # full blocks
         self.scheduler.complete(worker_id, request.request_id, now, PrefillResult(
-            hit * request.block_size, now, now + self._config.after_prefill_seconds(request.input_len),
-            inserted))
+            hit * bs, now, now + self._config.after_prefill_seconds(request.input_len), inserted))

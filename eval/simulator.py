@@ -14,6 +14,7 @@ arrivals, then ticks, then by sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 from collections.abc import Callable, Sequence
@@ -26,6 +27,24 @@ from serving.scheduler import CostModel, RequestRecord, Scheduler
 from serving.worker import WorkerSpec
 
 _COMPLETE, _CALL, _ARRIVAL, _TICK = 0, 1, 2, 3
+
+
+def intern_block_hashes(requests: Sequence[Request]) -> list[Request]:
+    """The requests with their block hashes renumbered 1..N in the order of the hash values.
+
+    Equal hashes stay equal, distinct ones distinct, and their order is kept (the prefix-cache
+    manager scans prefix tips in hash order), so a replay's results are unchanged; but small
+    ints hash in one step where 64-bit ones take several, and the simulated workers' caches and
+    the policy's indexes look blocks up tens of times per request. Done once per workload
+    (`eval.experiment.run_sweep`, `eval.bench_sim`), not per simulation.
+
+    Returns:
+      New `Request`s, in the input order (the input is not modified).
+    """
+    distinct = sorted({h for r in requests for h in r.block_hashes})
+    dense = dict(zip(distinct, range(1, len(distinct) + 1))).__getitem__
+    return [dataclasses.replace(r, block_hashes=tuple(map(dense, r.block_hashes)))
+            for r in requests]
 MAX_TIME_S = 1e11  # keeps t + tick_interval > t in float64 for ticks >= 1 ms
 
 
@@ -105,14 +124,14 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
 
 def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float) -> None:
     i, n = 0, len(requests)
+    arrivals = [r.arrival_time for r in requests]
     submit, complete = scheduler.submit, scheduler.backend.finish_prefill
     heappop = heapq.heappop
     while i < n or heap:
-        if i < n and (not heap or requests[i].arrival_time < heap[0][0]
-                      or (requests[i].arrival_time == heap[0][0] and heap[0][1] > _ARRIVAL)):
-            r = requests[i]
+        if i < n and (not heap or arrivals[i] < heap[0][0]
+                      or (arrivals[i] == heap[0][0] and heap[0][1] > _ARRIVAL)):
+            submit(requests[i], arrivals[i])
             i += 1
-            submit(r, r.arrival_time)
             continue
         t, kind, _, payload = heappop(heap)
         if kind == _COMPLETE:

@@ -87,17 +87,21 @@ class PrefixCacheManager:
         degrees = sorted({w.cp_degree for w in active})
         started = 0
         candidates = []
-        for tip in trie.tips():
-            acc, miss = trie.access.get(tip, {}), trie.missed.get(tip, {})
+        tips = trie.tips()
+        replicas = {c: trie.replica_counts(tips, c) for c in degrees}  # ReplicaCount(z, C)
+        access, missed, none = trie.access.get, trie.missed.get, {}
+        min_missed, high, low = cfg.min_missed_tokens, cfg.intra_high, cfg.reclaim_low
+        for tip in tips:
+            acc, miss = access(tip, none), missed(tip, none)
             for c in degrees:
-                r = trie.replica_count(tip, c)
+                r = replicas[c].get(tip, 0)
                 a = acc.get(c, 0.0)
                 m = miss.get(c, 0.0)
-                if r == 0 and m > 0 and m >= cfg.min_missed_tokens:
+                if r == 0 and m > 0 and m >= min_missed:
                     candidates.append((-m, "inter-degree", tip, c))
-                elif r >= 1 and a / r > cfg.intra_high:
+                elif r >= 1 and a / r > high:
                     candidates.append((-a / r, "intra-degree", tip, c))
-                elif r >= 2 and a / r < cfg.reclaim_low:
+                elif r >= 2 and a / r < low:
                     candidates.append((a / r, "reclaim", tip, c))
         for _, kind, tip, c in sorted(candidates, key=lambda x: (x[0], x[1], x[3])):
             if started >= cfg.max_actions:

@@ -139,17 +139,19 @@ class ReconfigurationController:
         by its queue), so demand counts the work the pool will really do, not what an
         unbounded cache would save.
         """
-        s = self._scheduler
-        c = self.config.min_degree
-        gpu_s = c * s.cost_model.predict(c, request.input_len, cached_len)
-        is_long = request.input_len >= self.config.long_threshold
-        self._arrivals.append((now, gpu_s, request.input_len, is_long, cached_len))
+        cfg, n = self.config, request.input_len
+        c = cfg.min_degree
+        gpu_s = c * self._scheduler.cost_model.predict(c, n, cached_len)
+        is_long = n >= cfg.long_threshold
+        self._arrivals.append((now, gpu_s, n, is_long, cached_len))
         if self._first_seen is None:
             self._first_seen = now
-        self.longest = max(self.longest, request.input_len)
+        if n > self.longest:
+            self.longest = n
         self._gpu_s += gpu_s
-        self._tokens += request.input_len
-        self._long_tokens += request.input_len if is_long else 0
+        self._tokens += n
+        if is_long:
+            self._long_tokens += n
 
     def _expire(self, now: float) -> None:
         horizon = now - self.config.window_s
@@ -180,7 +182,8 @@ class ReconfigurationController:
         Arrivals alone miss a queue that built up earlier (a burst, or the end of an overload):
         the pool must not merge, and may need to split, while that work is waiting.
         """
-        work = sum(w.cp_degree * w.outstanding_seconds(now) for w in scheduler.workers.values())
+        work = sum([w.spec.cp_degree * w.outstanding_seconds(now)
+                    for w in scheduler.workers.values()])
         return work / (self.config.window_s * self.num_gpus)
 
     def long_share(self, now: float) -> float:

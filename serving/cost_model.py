@@ -129,13 +129,13 @@ class PrefillCostModel:
           ValueError: unknown cp_degree (naming the fitted degrees), or unless
             0 <= cached_len <= input_len and input_len >= 1 token.
         """
-        try:
-            a, b, g, d = self._coef[cp_degree]
-        except KeyError:
-            raise self._unknown(cp_degree) from None
-        if not (0 <= cached_len <= input_len and input_len >= 1):
+        coef = self._coef.get(cp_degree)
+        if coef is None or not (0 <= cached_len <= input_len and input_len >= 1):
+            if coef is None:
+                raise self._unknown(cp_degree)
             raise ValueError(f"need input_len >= 1 and 0 <= cached_len <= input_len, got "
                              f"cached_len={cached_len}, input_len={input_len}")
+        a, b, g, d = coef
         return a + b * (input_len - cached_len) + g * (input_len * input_len
                                                        - cached_len * cached_len) + d * input_len
 

@@ -87,15 +87,55 @@ class VertumnusRouter:
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
-        costs = self.costs(request, candidates, matched_blocks, now)
-        n = len(costs)
-        start = self._rotation % n
+        """Index into `candidates` of the least placement cost (`costs`), ties round-robin.
+
+        Computes exactly the floats `costs` returns (same operations, same order), with one
+        prediction per distinct (degree, match): the simulator's hot path.
+
+        Raises:
+          ValueError: no candidate has a finite cost (the cost model returned NaN or inf).
+        """
+        predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
+        beta, lam = self.beta, self.lam
+        memo: dict[int, dict[int, tuple[float, float]]] = {}  # C -> m -> (beta*T, lam*C*T)
+        partial = []  # Q + beta * S + lambda * C * S, per candidate
+        append = partial.append
+        cheapest = float("inf")
+        last_c = by_m = None
+        for w, m in zip(candidates, matched_blocks):
+            c = w.spec.cp_degree
+            if c != last_c:  # candidates of one degree usually come together
+                by_m = memo.get(c)
+                if by_m is None:
+                    by_m = memo[c] = {}
+                last_c = c
+            st = by_m.get(m)
+            if st is None:
+                t = predict(c, n, m * bs)
+                g = c * t
+                if g < cheapest:
+                    cheapest = g
+                st = by_m[m] = (beta * t, lam * g)
+            q = w.queued_seconds  # inline of WorkerState.outstanding_seconds
+            if w.running is not None:
+                r = w.running_estimate - (now - w.running_start)
+                if r > 0:
+                    q += r
+            append(q + st[0] + st[1])
+        base = -lam * cheapest
+        k = len(partial)
+        start = self._rotation % k
         self._rotation += 1
         best, best_cost = -1, float("inf")
-        for i in (*range(start, n), *range(start)):
-            if costs[i] < best_cost:
-                best, best_cost = i, costs[i]
+        for i in range(start, k):
+            v = partial[i] + base
+            if v < best_cost:
+                best, best_cost = i, v
+        for i in range(start):
+            v = partial[i] + base
+            if v < best_cost:
+                best, best_cost = i, v
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
-                             f"cost model returned {costs}")
+                             f"cost model returned {[p + base for p in partial]}")
         return best

@@ -125,6 +125,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         # Blocks promised by queued and running prefills, for routers that ask for them.
         self.pending = PendingPrefixes()
         self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
+        self._record_index: PrefixIndex | None = None  # the index `_record` belongs to
+        self._record: Callable[..., None] | None = None  # its `record` (demand statistics)
         self.epoch = 0
         self.workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
@@ -158,18 +160,35 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
 
         A cache miss never excludes a worker; only status, length and KV capacity do.
         """
-        n, active = request.input_len, WorkerStatus.ACTIVE
+        return self._eligible(request, False)[:2]
+
+    def _eligible(self, request: Request, with_global: bool
+                  ) -> tuple[list[WorkerState], list[int], int]:
+        """`eligible` plus, when `with_global`, the request's global match (blocks held by
+        some worker, `PrefixIndex.global_match_blocks`; else 0), from one pass over the index."""
+        n = request.input_len
         need = -(-n // request.block_size)
-        candidates = [w for w in self.workers.values() if w.status is active
-                      and n <= w.spec.max_input_len and need <= w.spec.kv_capacity_blocks]
+        active = WorkerStatus.ACTIVE
+        candidates, ids = [], []
+        for w in self.workers.values():
+            spec = w.spec
+            if w.status is active and n <= spec.max_input_len and need <= spec.kv_capacity_blocks:
+                candidates.append(w)
+                ids.append(spec.worker_id)
         if not candidates:
-            return candidates, []
-        ids = [w.worker_id for w in candidates]
-        matched = self.prefix_index.match_blocks(request.block_hashes, request.max_cacheable_blocks, ids)
+            return candidates, [], 0
+        hashes, limit = request.block_hashes, (n - 1) // request.block_size  # max_cacheable_blocks
+        index = self.prefix_index
+        if not with_global:
+            matched, global_blocks = index.match_blocks(hashes, limit, ids), 0
+        elif hasattr(index, "match_blocks_and_global"):  # `PrefixIndex` and subclasses
+            matched, global_blocks = index.match_blocks_and_global(hashes, limit, ids)
+        else:
+            matched = index.match_blocks(hashes, limit, ids)
+            global_blocks = index.global_match_blocks(hashes, limit)
         if self._use_pending:
-            matched = self.pending.extend_matches(
-                request.block_hashes, request.max_cacheable_blocks, ids, matched)
-        return candidates, matched
+            matched = self.pending.extend_matches(hashes, limit, ids, matched)
+        return candidates, matched, global_blocks
 
     # ----------------------------------------------------------------------------- events
     def submit(self, request: Request, now: float) -> int | None:
@@ -183,8 +202,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         Raises:
           ValueError: `request.request_id` is already in flight.
         """
-        if request.request_id in self._placements or any(
-                r.request_id == request.request_id for r in self._pending):
+        if request.request_id in self._placements or (self._pending and any(
+                r.request_id == request.request_id for r in self._pending)):
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         for hook in self.submit_hooks:
             hook(request, now)
@@ -210,7 +229,7 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             index.insert(worker_id, result.inserted_blocks)
         self.num_completed += 1
         self.listener(RequestRecord(
-            request, worker_id, worker.cp_degree, worker.epoch,
+            request, worker_id, worker.spec.cp_degree, worker.epoch,
             placement.start_time, result.finish_time, result.first_token_time, result.cached_len,
             placement.predicted_cached_len, placement.estimate, None, result.first_token,
             placement.global_cached_len))
@@ -248,7 +267,11 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
 
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
-        candidates, matched = self.eligible(request)
+        index = self.prefix_index
+        if index is not self._record_index:  # looked up once per index (hot path)
+            self._record_index, self._record = index, getattr(index, "record", None)
+        record = self._record
+        candidates, matched, global_blocks = self._eligible(request, record is not None)
         if not candidates:
             need = -(-request.input_len // request.block_size)
             if any(w.can_hold(request) for w in self.workers.values()) or any(
@@ -263,25 +286,24 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             return None
         i = self.router.choose(request, candidates, matched, now)
         worker = candidates[i]
-        cached = matched[i] * request.block_size
-        estimate = self.cost_model.predict(worker.cp_degree, request.input_len, cached)
+        spec, bs, m = worker.spec, request.block_size, matched[i]
+        cached = m * bs
+        estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
         placement = _Placement(worker, estimate, cached)
-        record = getattr(self.prefix_index, "record", None)
         if record is not None:  # the global trie keeps demand statistics
-            g = max(self.prefix_index.global_match_blocks(
-                request.block_hashes, request.max_cacheable_blocks), matched[i])
-            record(request, worker.cp_degree, g, matched[i])
-            placement.global_cached_len = g * request.block_size
+            g = max(global_blocks, m)
+            record(request, spec.cp_degree, g, m)
+            placement.global_cached_len = g * bs
         self._placements[request.request_id] = placement
         if self._use_pending:
-            self.pending.add(worker.worker_id, request.block_hashes[:request.full_blocks])
+            self.pending.add(spec.worker_id, request.block_hashes[:request.input_len // bs])
         worker.queue.append(request)
         worker.queued_seconds += estimate
         for hook in self.placement_hooks:
             hook(request, cached, now)
         if worker.running is None:
             self._dispatch(worker, now)
-        return worker.worker_id
+        return spec.worker_id
 
     def _dispatch(self, worker: WorkerState, now: float) -> None:
         if worker.running is not None or not worker.queue:
@@ -293,7 +315,7 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         worker.running_start = now
         worker.running_estimate = placement.estimate
         placement.start_time = now
-        self.backend.start_prefill(worker.worker_id, request, now)
+        self.backend.start_prefill(worker.spec.worker_id, request, now)
 
     def _take_running(self, worker_id: int,
                       request_id: str | int) -> tuple[WorkerState, _Placement, Request]:
@@ -302,7 +324,8 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
         request = worker.running
         if self._use_pending:
-            self.pending.remove(worker_id, request.block_hashes[:request.full_blocks])
+            full = request.input_len // request.block_size
+            self.pending.remove(worker_id, request.block_hashes[:full])
         return worker, self._placements.pop(request_id), request
 
     def _after_run(self, worker: WorkerState, now: float) -> None:
