@@ -268,11 +268,7 @@ class DevicePool:
 
         Raises ValueError for an unknown id, or marking busy a worker in a pending change.
         """
-        self.group(worker_id)
-        if busy and worker_id in self._reserved():
-            raise ValueError(f"worker {worker_id} is being re-carved (pending change); it cannot "
-                             "run prefill")
-        (self._busy.add if busy else self._busy.discard)(worker_id)
+        self._mark(self._busy, worker_id, busy, "run prefill")
 
     def mark_draining(self, worker_id: int, draining: bool = True) -> None:
         """Marks a worker as draining (no new placements, in-flight work finishing) or clears
@@ -280,11 +276,14 @@ class DevicePool:
 
         Raises ValueError for an unknown id, or marking draining a worker in a pending change.
         """
+        self._mark(self._draining, worker_id, draining, "start draining")
+
+    def _mark(self, marks: set[int], worker_id: int, on: bool, what: str) -> None:
         self.group(worker_id)
-        if draining and worker_id in self._reserved():
+        if on and worker_id in self._reserved():
             raise ValueError(f"worker {worker_id} is being re-carved (pending change); it cannot "
-                             "start draining")
-        (self._draining.add if draining else self._draining.discard)(worker_id)
+                             f"{what}")
+        (marks.add if on else marks.discard)(worker_id)
 
     def is_busy(self, worker_id: int) -> bool:
         """Whether `worker_id` is marked busy."""

@@ -194,7 +194,8 @@ class Engine:
                 self.scheduler.tick(self.now())
             except Exception:  # a policy bug must not stop the periodic loops for good
                 _log.exception("scheduler tick failed")
-            for r in self.reconfigurations()[self._logged:]:
+            for r in self.scheduler.reconfiguration_log[self._logged:]:
+                r = self._with_origin(r)
                 _log.info("epoch %d: %s %s -> %s (%s) drained in %.2f s, done at %.2f s; "
                           "composition %s", r["epoch"], r["kind"], r["old"], r["new"],
                           r["origin"], r["drained"] - r["started"], r["finished"],
@@ -345,8 +346,11 @@ class Engine:
     def reconfigurations(self) -> list[dict]:
         """Finished splits and merges (the scheduler's log), each with `origin`: "admin" (the
         API) or "controller"."""
-        return [{**r, "origin": "admin" if r["epoch"] in self._admin_epochs else "controller"}
-                for r in self.scheduler.reconfiguration_log]
+        return [self._with_origin(r) for r in self.scheduler.reconfiguration_log]
+
+    def _with_origin(self, record: dict) -> dict:
+        return {**record, "origin": "admin" if record["epoch"] in self._admin_epochs
+                else "controller"}
 
     def reset_prefix_cache(self) -> int:
         """Empties every worker's prefix cache and the scheduler's index of it; returns the

@@ -43,7 +43,6 @@ class LivePrefill:
       block_ids: the prompt's full KV blocks (block i on rank `i % cp_degree`), left in the
         worker's prefix cache (unpinned) for the decode pool to pull.
       block_size: tokens per block.
-      prefill_seconds: wall time of the prefill on the worker (seconds).
     """
 
     worker_id: int
@@ -51,7 +50,6 @@ class LivePrefill:
     device_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     block_size: int
-    prefill_seconds: float
 
 
 class LiveBackend:
@@ -140,7 +138,6 @@ class LiveBackend:
         worker, lock = self.workers[worker_id], self._locks[worker_id]
 
         def run():
-            start = self._clock()
             try:
                 with lock:
                     result = prefill_request(worker, request.token_ids, request.block_hashes)
@@ -155,7 +152,7 @@ class LiveBackend:
             n_full = request.input_len // self.block_size
             self.prefills[request.request_id] = LivePrefill(
                 worker_id, worker.cp_degree, worker.device_ids,
-                tuple(int(b) for b in result.block_ids[:n_full]), self.block_size, finish - start)
+                tuple(int(b) for b in result.block_ids[:n_full]), self.block_size)
             done = PrefillResult(result.cached_tokens, finish, finish, inserted, evicted,
                                  int(result.first_token))
             self._post(lambda: self.scheduler.complete(worker_id, request.request_id, finish, done))
