@@ -12,13 +12,12 @@ server's KV block size, every shared trace block is a whole number of server blo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from serving.request import Request, chain_block_hashes
+from serving.request import Request, prompt_block_hashes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +79,7 @@ def scaled_requests(requests: Sequence[Request], scale: PromptScale, server_bloc
     out = []
     for r in requests:
         tokens = scaled_prompt(r, scale)
-        arr = np.asarray(tokens, dtype="<i4")
-        ids = [int.from_bytes(hashlib.blake2b(arr[i:i + server_block_size].tobytes(),
-                                              digest_size=8).digest(), "little")
-               for i in range(0, len(tokens), server_block_size)]
-        hashes = chain_block_hashes(ids)
+        hashes = prompt_block_hashes(tokens, server_block_size)  # as the server hashes it
         out.append((Request(r.request_id, r.arrival_time, len(tokens), r.output_len, hashes,
                             server_block_size, r.ttft_slo, token_ids=tokens), tokens))
     return out

@@ -14,8 +14,11 @@ logits for it; hence `max_cacheable_blocks = (input_len - 1) // block_size`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 _MASK64 = (1 << 64) - 1
 
@@ -46,6 +49,34 @@ def chain_block_hashes(block_ids: Iterable[int], parent: int = 0) -> tuple[int, 
         h = splitmix64(((h * 31) & _MASK64) ^ splitmix64(int(b) & _MASK64))
         out.append(h)
     return tuple(out)
+
+
+def block_content_id(tokens: Sequence[int]) -> int:
+    """64-bit id of one block's token ids: BLAKE2b-64 of their little-endian int32 bytes.
+
+    The content id the live service chains into a prompt's block hashes; the same formula as
+    `vertumnus_jax.block_hash.block_content_id`, which keys the workers' KV caches (kept apart
+    by the layer rule, DESIGN.md; tests check that both agree).
+    """
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The hash chain of a prompt of token ids: one hash per `block_size` tokens, the last block
+    partial when `len(token_ids) % block_size` (`num_blocks(len(token_ids), block_size)` hashes).
+
+    `chain_block_hashes` over `block_content_id` of each block, so the full blocks' hashes equal
+    the KV cache keys of `vertumnus_jax.block_hash.block_hashes`.
+
+    Raises:
+      ValueError: `block_size < 1`.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    toks = np.asarray(token_ids, dtype="<i4")
+    return chain_block_hashes(block_content_id(toks[i:i + block_size])
+                              for i in range(0, len(toks), block_size))
 
 
 def num_blocks(input_len: int, block_size: int) -> int:

@@ -19,6 +19,7 @@ from serving.cost_model import PrefillCostModel
 from serving.engine import Engine, EngineConfig
 from serving.plugins import router_from_spec
 from serving.profiles import read_profile_csv
+from serving.request import prompt_block_hashes
 from serving.tokenizer import load_tokenizer
 from serving.worker import WorkerSpec
 
@@ -82,15 +83,21 @@ def usable_degrees(config: ServerConfig, num_devices: int) -> list[int]:
     return degrees
 
 
-def choose_composition(config: ServerConfig, num_devices: int,
+def choose_composition(config: ServerConfig, num_devices: int, degrees: Sequence[int],
                        cost_model: PrefillCostModel) -> list[int]:
     """The initial composition: `config.composition`, or the paper's rule on expected demand.
+
+    Args:
+      config: the server's configuration.
+      num_devices: devices of the pool.
+      degrees: the usable CP degrees, sorted (`usable_degrees(config, num_devices)`).
+      cost_model: the fitted prefill cost model (capacity per degree).
 
     Raises:
       ValueError: a composition that does not fill `num_devices` devices with powers of two in
         `config.degrees`, or degrees the cost model has no profile for.
     """
-    degrees = usable_degrees(config, num_devices)
+    degrees = list(degrees)
     if not (math.isfinite(config.expected_rate) and config.expected_rate > 0):
         raise ValueError(f"expected_rate must be a finite number > 0 req/s, got "
                          f"{config.expected_rate}")
@@ -122,8 +129,7 @@ def build_engine(config: ServerConfig, devices: Sequence):
 
     from mesh import DevicePool, ParamReplicas
     from serving.live_backend import LiveBackend
-    from vertumnus_jax import ModelConfig, block_hashes, init_model, load_hf_checkpoint
-    from vertumnus_jax.block_hash import block_content_id, chain_hashes
+    from vertumnus_jax import ModelConfig, init_model, load_hf_checkpoint
 
     ecfg = config.engine
     if config.checkpoint is not None:
@@ -136,8 +142,8 @@ def build_engine(config: ServerConfig, devices: Sequence):
     tokenizer = load_tokenizer(config.checkpoint, vocab)
     profile = config.profile or DEFAULT_PROFILE
     cost_model = PrefillCostModel.fit(read_profile_csv(profile))
-    composition = choose_composition(config, len(devices), cost_model)
     degrees = usable_degrees(config, len(devices))
+    composition = choose_composition(config, len(devices), degrees, cost_model)
     ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
                               max_degree=degrees[-1])
     ecfg = dataclasses.replace(ecfg, controller_config=ctl)
@@ -151,12 +157,7 @@ def build_engine(config: ServerConfig, devices: Sequence):
     bs = ecfg.block_size
 
     def hash_prompt(token_ids):
-        full = block_hashes(token_ids, bs)
-        rest = len(token_ids) % bs
-        if rest:
-            tail = block_content_id(list(token_ids)[-rest:])
-            full = full + chain_hashes([tail], full[-1] if full else 0)
-        return full
+        return prompt_block_hashes(token_ids, bs)  # full blocks: the workers' cache keys
 
     def make_backend(post, clock):
         return LiveBackend(pool, replicas, graphdef, num_blocks=ecfg.kv_blocks_per_device,

@@ -2,8 +2,10 @@
 
 Block k's hash covers every token up to the end of block k:
 `h[k] = splitmix64((h[k-1] * 31) ^ splitmix64(id[k]))` with `id[k]` the BLAKE2b-64 of block k's
-int32 tokens; the chain formula of `serving.request.chain_block_hashes`, so the scheduler's
-hashes can be passed in precomputed.
+int32 tokens; the formulas of `serving.request.chain_block_hashes` and `block_content_id`, so the
+scheduler's hashes (`serving.request.prompt_block_hashes`) can be passed in precomputed. The two
+copies exist because the policy core may not import this package (DESIGN.md, layers);
+tests/vertumnus_jax/test_prefix_cache.py checks that they agree.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 
+from serving import request as serving_request
 from serving.request import chain_block_hashes
 from vertumnus_jax.prefix_cache import (
     CacheEvent,
@@ -35,6 +36,24 @@ def test_hash_chain_matches_serving_and_depends_on_whole_prefix():
     assert all(a != b for a, b in zip(block_hashes(other, BS), hashes, strict=True))
     same_tail = other[:BS] + toks[BS:]
     assert block_hashes(same_tail, BS)[1:] != hashes[1:]
+
+
+def test_serving_prompt_hashes_equal_the_cache_keys():
+    """The live service hashes prompts with `serving.request` (numpy only, by the layer rule);
+    its full blocks must be exactly the workers' cache keys, its partial tail one more link."""
+    for seed, n in ((1, 3 * BS), (2, 3 * BS + 1), (3, BS - 1), (4, 1)):
+        toks = _tokens(seed, n)
+        got = serving_request.prompt_block_hashes(toks, BS)
+        assert len(got) == -(-n // BS)
+        assert got[:n // BS] == block_hashes(toks, BS)
+        for i in range(0, n, BS):
+            assert serving_request.block_content_id(toks[i:i + BS]) == block_content_id(
+                toks[i:i + BS])
+        if n % BS:
+            tail = block_content_id(toks[n - n % BS:])
+            assert got[-1] == chain_hashes([tail], got[-2] if len(got) > 1 else 0)[0]
+    with pytest.raises(ValueError, match="block_size"):
+        serving_request.prompt_block_hashes([1, 2], 0)
 
 
 def test_reuse_of_leading_blocks_and_no_hit_on_later_block_only():
