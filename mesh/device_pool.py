@@ -9,10 +9,11 @@ aligned 2C group) into that group. Every composition of the same devices is reac
 A change is two-phase: `begin_split` / `begin_merge` reserve the old workers and return a
 `PendingChange` for a new epoch; the backend re-carves, marks every rank of every new worker
 ready (`PendingChange.mark_ready`), and `commit` then adopts the new groups under that epoch
-(or `abort` drops the change). Until the commit the old groups stay the pool's groups.
+(or `abort` drops the change; `PendingChange` is in `mesh.pending_change`). Until the commit
+the old groups stay the pool's groups.
 
 Every invalid composition or operation raises `ValueError` saying why, with nothing changed.
-Imports only jax (and `mesh.submesh`).
+Imports only jax (and `mesh.submesh`, `mesh.pending_change`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from collections.abc import Sequence
 
 import jax
 
+from mesh.pending_change import PendingChange
 from mesh.submesh import worker_mesh
+
+__all__ = ["DeviceGroup", "DevicePool", "PendingChange", "check_composition"]
 
 
 def _is_pow2(c) -> bool:
@@ -85,67 +89,6 @@ class DeviceGroup:
         lo = min(self.first_device, other.first_device)
         return (other.cp_degree == c and lo % (2 * c) == 0
                 and abs(self.first_device - other.first_device) == c)
-
-
-@dataclasses.dataclass(eq=False)
-class PendingChange:
-    """A split or merge begun but not committed.
-
-    Attributes:
-      kind: "split" or "merge".
-      epoch: the epoch the new groups will be adopted under.
-      old_ids: the worker ids being replaced (reserved until commit or abort).
-      new_groups: the groups replacing them, in device order.
-    """
-
-    kind: str
-    epoch: int
-    old_ids: tuple[int, ...]
-    new_groups: tuple[DeviceGroup, ...]
-    _ready: dict[int, set[int]] = dataclasses.field(default_factory=dict, repr=False)
-
-    @property
-    def new_ids(self) -> tuple[int, ...]:
-        """Ids of the new workers, device order."""
-        return tuple(g.worker_id for g in self.new_groups)
-
-    def _group(self, worker_id: int) -> DeviceGroup:
-        for g in self.new_groups:
-            if g.worker_id == worker_id:
-                return g
-        raise ValueError(f"worker_id must be one of the new workers {self.new_ids}, got "
-                         f"{worker_id!r}")
-
-    def mark_ready(self, worker_id: int, rank: int) -> None:
-        """Records that rank `rank` of new worker `worker_id` has adopted the new geometry.
-
-        Raises ValueError for a worker that is not one of `new_ids` or a rank outside
-        `[0, cp_degree)`.
-        """
-        c = self._group(worker_id).cp_degree
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < c:
-            raise ValueError(f"rank must be in [0, {c}) for worker {worker_id}, got {rank!r}")
-        self._ready.setdefault(worker_id, set()).add(rank)
-
-    def mark_worker_ready(self, worker_id: int) -> None:
-        """`mark_ready` for every rank of new worker `worker_id`."""
-        for r in range(self._group(worker_id).cp_degree):
-            self.mark_ready(worker_id, r)
-
-    def missing_ranks(self) -> dict[int, tuple[int, ...]]:
-        """Per new worker id, the ranks not yet ready (workers with none missing omitted)."""
-        out = {}
-        for g in self.new_groups:
-            miss = tuple(r for r in range(g.cp_degree) if r not in self._ready.get(g.worker_id,
-                                                                                   ()))
-            if miss:
-                out[g.worker_id] = miss
-        return out
-
-    @property
-    def ready(self) -> bool:
-        """Whether every rank of every new worker is ready."""
-        return not self.missing_ranks()
 
 
 class DevicePool:

@@ -15,7 +15,8 @@ mask, the rest run masked. On CPU the same kernel runs in Pallas interpret mode.
 
 Outputs are the attention output and the natural-log log-sum-exp (LSE) of each query row's
 scaled logits. A row with no visible key gets a zero output and an LSE of -inf, never NaN, so
-partial results over disjoint key sets combine exactly with `merge_attention_states`.
+partial results over disjoint key sets combine exactly with `merge_attention_states`. The
+pure-jnp reference, `attention_reference`, is in `pallas_kernels.reference` (re-exported here).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.reference import attention_reference, check_attention_inputs, check_sm_scale
+
+__all__ = ["BlockSizes", "attention_reference", "flash_attention", "merge_attention_states"]
 
 try:  # The Triton backend's compiler parameters (jax 0.10 and 0.11); absent on odd builds.
     from jax.experimental.pallas import triton as plgpu
@@ -273,53 +278,6 @@ def _flash_attention_jit(q, k, v, q_positions, kv_positions, *, sm_scale, block_
     return out[:, :q_len, :, :head_dim], lse[:, :q_len, :]
 
 
-def _check_inputs(q, k, v, q_positions, kv_positions) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            "q, k, v must be [batch, len, heads, head_dim]; got "
-            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
-    batch, q_len, num_q_heads, head_dim = q.shape
-    sizes = (("batch", batch), ("q_len", q_len), ("kv_len", k.shape[1]),
-             ("num_q_heads", num_q_heads), ("num_kv_heads", k.shape[2]), ("head_dim", head_dim))
-    for name, size in sizes:
-        if size < 1:
-            raise ValueError(
-                f"{name} must be >= 1; got {size} (q.shape={q.shape}, k.shape={k.shape}; "
-                "batch, q_len, kv_len, heads and head_dim must all be >= 1)"
-            )
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(
-            f"k batch and head_dim must match q's ({batch}, {head_dim}); got k.shape={k.shape}"
-        )
-    if num_q_heads % k.shape[2] != 0:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({k.shape[2]})"
-        )
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
-    for name, pos, length in (("q_positions", q_positions, q_len),
-                              ("kv_positions", kv_positions, k.shape[1])):
-        if pos.shape != (batch, length):
-            raise ValueError(f"{name} must have shape {(batch, length)}; got {pos.shape}")
-        if not jnp.issubdtype(pos.dtype, jnp.signedinteger):
-            # Unsigned positions would wrap to negative (padding) in the int32 cast.
-            raise ValueError(f"{name} must be a signed integer array (int32); got {pos.dtype}")
-
-
-def _check_sm_scale(sm_scale) -> None:
-    """sm_scale must be finite (a NaN/inf scale poisons every logit). A traced scale (only
-    `attention_reference` accepts one) is not checked."""
-    if sm_scale is None or isinstance(sm_scale, jax.core.Tracer):
-        return
-    if not math.isfinite(float(sm_scale)):
-        raise ValueError(f"sm_scale must be a finite number; got {sm_scale!r}")
-
-
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -361,8 +319,8 @@ def flash_attention(
     Source: FlashAttention-2 forward (arXiv 2307.08691, Alg. 1); tiling after
     `jax.experimental.pallas.ops.gpu.attention`.
     """
-    _check_inputs(q, k, v, q_positions, kv_positions)
-    _check_sm_scale(sm_scale)
+    check_attention_inputs(q, k, v, q_positions, kv_positions)
+    check_sm_scale(sm_scale)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if block_sizes is None:
@@ -373,46 +331,6 @@ def flash_attention(
         q, k, v, q_positions, kv_positions,
         sm_scale=float(sm_scale), block_sizes=block_sizes, interpret=bool(interpret),
     )
-
-
-def attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    *,
-    sm_scale: float | None = None,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Plain-jnp attention with `flash_attention`'s signature, semantics and outputs.
-
-    Materialises the `[batch, heads, q_len, kv_len]` logits in float32 (HIGHEST precision), so it
-    is for tests and small inputs. `block_sizes` and `interpret` are accepted for drop-in use and
-    ignored. Raises ValueError like `flash_attention`.
-    """
-    del block_sizes, interpret
-    _check_inputs(q, k, v, q_positions, kv_positions)
-    _check_sm_scale(sm_scale)
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    group = q.shape[2] // k.shape[2]
-    key_valid = kv_positions >= 0  # [batch, kv_len]
-    k = jnp.repeat(k.astype(jnp.float32), group, axis=2)  # [batch, kv_len, num_q_heads, d]
-    v = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-    v = jnp.where(key_valid[:, :, None, None], v, 0.0)  # padding V is never read
-    logits = jnp.einsum(
-        "bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision=lax.Precision.HIGHEST
-    ) * scale
-    seen = key_valid[:, None, :] & (kv_positions[:, None, :] <= q_positions[:, :, None])
-    seen = seen[:, None, :, :]  # [batch, 1, q_len, kv_len]
-    logits = jnp.where(seen, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [batch, heads, q_len]; -inf for empty rows
-    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
-    probs = jnp.where(seen, jnp.exp(logits - lse_safe[..., None]), 0.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=lax.Precision.HIGHEST)
-    return out.astype(q.dtype), jnp.transpose(lse, (0, 2, 1))
 
 
 def merge_attention_states(
