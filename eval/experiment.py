@@ -163,7 +163,7 @@ class ReplayEnv:
 
             pools[par] = PoolConfig(
                 cfg.num_gpus, kv_blocks, max_input_len, PrefillCostModel.fit(tab),
-                tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.kv_transfer_gb_per_s, par)
+                tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.replication_gb_per_s, par)
         sim = dataclasses.replace(cfg.sim, kv_bytes_per_token=model.kv_bytes_per_token)
         # The SLO reference is the run's largest --degrees entry (when the profile has it), so
         # SLOs do not depend on which systems a run lists.

@@ -85,6 +85,11 @@ class LocalPrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def block_view(self):
+        """The cached block hashes as a live read-only set view (`dict.keys()`): it follows every
+        later insertion and eviction (for `PrefixIndex.share_blocks`)."""
+        return self._lru.keys()
+
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
 

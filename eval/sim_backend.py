@@ -95,6 +95,7 @@ class SimulatedBackend:
         self._push = push_completion
         self._push_call = push_call
         self.scheduler = None
+        self._awaited: dict[str | int, float] = {}  # request id -> when the copy it awaits ends
 
     def recarve(self, reconfiguration, now: float) -> None:
         """Split or merge the caches of drained workers; done `recarve_seconds` later.
@@ -124,22 +125,46 @@ class SimulatedBackend:
             self.degrees[spec.worker_id] = spec.cp_degree
         blocks = {wid: [h for h, _ in c.blocks()] for wid, c in new.items()}
         done_at = now + self._config.recarve_seconds
-        self._push_call(done_at,
-                        lambda: self.scheduler.finish_reconfiguration(rec.epoch, done_at, blocks))
+
+        def finish():
+            self.scheduler.finish_reconfiguration(rec.epoch, done_at, blocks)
+            self._share(new)
+
+        self._push_call(done_at, finish)
+
+    def share_caches(self) -> None:
+        """Lets the scheduler's prefix index read each worker's cache directly
+        (`PrefixIndex.share_blocks`) instead of keeping a copy of it from the KV events: this
+        backend reports every event in the same call that changes the cache, so the index's
+        contents are the same at every call, with half the set updates. Call once `scheduler`
+        is set; indexes without `share_blocks` keep their copies."""
+        self._share(self.caches)
+
+    def _share(self, caches: dict[int, LocalPrefixCache]) -> None:
+        share = getattr(self.scheduler.prefix_index, "share_blocks", None)
+        if share is not None:
+            for worker_id, cache in caches.items():
+                share(worker_id, cache.block_view())
 
     def replicate(self, replication, now: float) -> None:
         """Copies the missing blocks at `replication_gb_per_s`; visible when the copy is done.
 
         The source's blocks are read when the copy starts (the simulated copy does not occupy
-        either worker's prefill queue: NVLink/RDMA DMA in the background).
+        either worker's prefill queue: NVLink/RDMA DMA in the background). A copy made for one
+        request (`Replication.request_id`, a router's transfer plan) holds that request's
+        prefill until it is done (`start_prefill`).
         """
         rep = replication
         block_bytes = self._config.kv_bytes_per_token * rep.block_size
         seconds = (rep.num_blocks * block_bytes / (self._config.replication_gb_per_s * 1e9)
                    if self._config.replication_gb_per_s > 0 else 0.0)
         done = now + seconds
+        if rep.request_id is not None:
+            self._awaited[rep.request_id] = done
 
         def finish():
+            if rep.request_id is not None:
+                self._awaited.pop(rep.request_id, None)
             cache = self.caches.get(rep.dst)
             inserted, evicted = cache.insert_chain(rep.chain) if cache is not None else ([], [])
             self.scheduler.finish_replication(rep, done, inserted, evicted)
@@ -157,7 +182,17 @@ class SimulatedBackend:
 
     def start_prefill(self, worker_id: int, request: Request, now: float) -> None:
         """Takes the hit and makes room now (evictions reported at once, as KV events); the new
-        blocks are cached and reported when the prefill completes (`finish_prefill`)."""
+        blocks are cached and reported when the prefill completes (`finish_prefill`). A request
+        whose prefix is still being copied to the worker for it (`replicate`) starts when the
+        copy is done (the worker waits: TTFT = queue + transfer + prefill, as Mooncake's
+        Conductor estimates it)."""
+        if self._awaited:
+            done = self._awaited.get(request.request_id)
+            if done is not None:  # (a zero-time copy too: its completion runs first)
+                # The copy's completion was scheduled first: at `done` it has been cached and
+                # the request no longer awaits it.
+                self._push_call(done, lambda: self.start_prefill(worker_id, request, done))
+                return
         cache = self.caches[worker_id]
         bs, n = request.block_size, request.input_len
         total = -(-n // bs)

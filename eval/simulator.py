@@ -102,6 +102,7 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     scheduler = Scheduler(workers, cost_model, router, backend, listener=records.append,
                           prefix_index=prefix_index)
     backend.scheduler = scheduler
+    backend.share_caches()
     scheduler.tick_hooks.extend(tick_hooks)
     for f in setup:
         f(scheduler)

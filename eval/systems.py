@@ -69,7 +69,8 @@ class PoolConfig:
       degrees: the CP degrees of the comparison (`--degrees`), for mixed compositions.
       kv_bytes_per_token: K and V bytes of one token, all layers (the model's KV size); routers
         that price KV copies between workers use it.
-      kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free).
+      kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free); the
+        simulator copies at `SimConfig.replication_gb_per_s`, which `ReplayEnv` passes here.
       parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
         (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
       demand: the workload's historical `Demand`, for systems that size their initial
@@ -82,7 +83,7 @@ class PoolConfig:
     cost_model: CostModel
     degrees: tuple[int, ...] = (2, 4)
     kv_bytes_per_token: int = 0
-    kv_transfer_gb_per_s: float = 50.0
+    kv_transfer_gb_per_s: float = 100.0
     parallelism: str = "cp"
     demand: Demand | None = None
 

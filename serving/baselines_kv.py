@@ -97,10 +97,15 @@ class MooncakeConductorRouter:
     prefix. SLO-based early rejection and the decode-instance choice are out of scope (decode
     is a separate pool).
 
-    Limitation: the simulated backend does not yet copy blocks between workers, so the chosen
-    worker's prefill runs with its *local* prefix only. The router's estimate includes the
-    transfer plan; the simulation charges what actually happens (and the scheduler reserves
-    the local-prefix estimate). `last_transfer_blocks` reports the plan of the last choice.
+    A transfer plan is executed: the router asks the scheduler to copy the missing blocks from
+    a worker holding the best prefix to the chosen one (`begin_replication`, reason
+    "request-transfer", only the blocks the destination lacks), and the simulated backend starts
+    the request's prefill when the copy is done, so the run is charged queue + transfer +
+    prefill with the fetched prefix, as Algorithm 1 estimates it. (The live backend copies but
+    does not hold the prefill for the copy.) A copy the scheduler refuses (e.g. the same prefix
+    already in flight to that worker) leaves the request on its local prefix;
+    `transfers_started` / `transfers_refused` count both. The scheduler reserves the
+    local-prefix estimate. `last_transfer_blocks` reports the plan of the last choice.
 
     Args:
       kv_bytes_per_token: bytes of K and V of one token, all layers
@@ -110,6 +115,8 @@ class MooncakeConductorRouter:
       kvcache_balancing_threshold: ratio best_len / h_w from which a transfer is considered, >= 1.
       cost_model: `predict(cp_degree, input_len, cached_len) -> seconds`; None = the
         scheduler's (set by `bind`).
+      execute_transfers: copy the planned prefix (True), or only estimate with it (False: the
+        chosen worker prefills from its local prefix).
 
     Raises:
       ValueError: an argument outside the range above.
@@ -117,7 +124,7 @@ class MooncakeConductorRouter:
 
     def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 50.0,
                  kvcache_balancing_threshold: float = 1.0, cost_model=None,
-                 name: str = "mooncake-conductor") -> None:
+                 name: str = "mooncake-conductor", execute_transfers: bool = True) -> None:
         if not kv_bytes_per_token >= 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0 bytes, got {kv_bytes_per_token}")
         if not transfer_gb_per_s >= 0:
@@ -130,11 +137,16 @@ class MooncakeConductorRouter:
         self.kvcache_balancing_threshold = float(kvcache_balancing_threshold)
         self.cost_model, self.name = cost_model, name
         self.last_transfer_blocks = 0
+        self.execute_transfers = bool(execute_transfers)
+        self.transfers_started = self.transfers_refused = 0
+        self._scheduler = None
         self._rotation = 0
 
     def bind(self, scheduler) -> None:
         if self.cost_model is None:
             self.cost_model = scheduler.cost_model
+        if self.execute_transfers and hasattr(scheduler, "begin_replication"):
+            self._scheduler = scheduler
 
     def transfer_seconds(self, blocks: int, block_size: int) -> float:
         """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
@@ -163,5 +175,16 @@ class MooncakeConductorRouter:
         plans = self.plans(request, candidates, matched_blocks, now)
         i = argmin_rotating([p[0] for p in plans], self._rotation)
         self._rotation += 1
-        self.last_transfer_blocks = plans[i][1]
+        self.last_transfer_blocks = copied = plans[i][1]
+        if copied and self._scheduler is not None:
+            best = matched_blocks[i] + copied
+            src = candidates[list(matched_blocks).index(best)].spec.worker_id
+            try:
+                self._scheduler.begin_replication(
+                    src, candidates[i].spec.worker_id, request.block_hashes[:best],
+                    request.block_size, now, reason="request-transfer",
+                    request_id=request.request_id)
+                self.transfers_started += 1
+            except ValueError:
+                self.transfers_refused += 1
         return i

@@ -8,7 +8,7 @@ walk below nevertheless stops at the first missing block, so a stray block never
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set as AbstractSet
 
 try:  # the C loop behind `collections.Counter.update`: counts an iterable into a dict
     from collections import _count_elements as count_elements
@@ -29,12 +29,35 @@ class PrefixIndex:
 
     Costs: `insert`/`evict` O(blocks); `match_blocks` O(workers + matched blocks);
     `global_match_blocks` O(all workers + matched blocks); `holders` O(workers).
+
+    A backend that runs in the scheduler's process and applies each worker's KV events to the
+    index in the same call as to the worker's cache (the simulator) may instead `share_blocks`:
+    the index then reads that worker's live block set and ignores its `insert` / `evict`, the
+    same contents at every call without a second copy to update.
     """
 
-    __slots__ = ("_blocks",)
+    __slots__ = ("_blocks", "_shared")
 
     def __init__(self) -> None:
-        self._blocks: dict[int, set[int]] = {}  # worker id -> hashes of the blocks it holds
+        # worker id -> hashes of the blocks it holds (a set, or a shared live view)
+        self._blocks: dict[int, AbstractSet[int]] = {}
+        self._shared: set[int] = set()  # workers whose entry is a shared view (`share_blocks`)
+
+    def share_blocks(self, worker_id: int, blocks: AbstractSet[int]) -> None:
+        """From now on `worker_id`'s blocks are `blocks`, a live set-like view its owner keeps
+        current (e.g. `dict.keys()` of the worker's cache); `insert` and `evict` for the worker
+        are then no-ops, until `drop_worker`.
+
+        Raises:
+          ValueError: the index holds blocks for the worker that `blocks` does not equal (the
+            view would silently change what the index reports).
+        """
+        held = self._blocks.get(worker_id)
+        if held is not None and held != blocks:
+            raise ValueError(f"worker {worker_id}: the shared blocks ({len(blocks)}) differ from "
+                             f"the {len(held)} blocks the index holds for it")
+        self._blocks[worker_id] = blocks
+        self._shared.add(worker_id)
 
     def register_worker(self, worker_id: int, cp_degree: int) -> None:
         """Declares a worker and its CP degree (unused here; `GlobalPrefixTrie` keeps it)."""
@@ -44,17 +67,18 @@ class PrefixIndex:
         s = self._blocks.get(worker_id)
         if s is None:
             self._blocks[worker_id] = set(block_hashes)
-        else:
+        elif worker_id not in self._shared:
             s.update(block_hashes)
 
     def evict(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """Records that `worker_id` no longer holds each block (unknown blocks are ignored)."""
         s = self._blocks.get(worker_id)
-        if s is not None:
+        if s is not None and worker_id not in self._shared:
             s.difference_update(block_hashes)
 
     def drop_worker(self, worker_id: int) -> list[int]:
         """Forgets every block of `worker_id` (the worker left the pool); returns those blocks."""
+        self._shared.discard(worker_id)
         return list(self._blocks.pop(worker_id, ()))
 
     def num_blocks(self, worker_id: int) -> int:

@@ -76,13 +76,13 @@ class GlobalPrefixTrie(PrefixIndex):
     def replica_counts(self, block_hashes: Iterable[int], cp_degree: int) -> dict[int, int]:
         """`ReplicaCount(z, C)` of many blocks at once: {z: count}, blocks held by no worker of
         degree C left out. O(sum over those workers of min(their blocks, len(block_hashes)))."""
-        if not isinstance(block_hashes, (list, tuple, set, frozenset)):
-            block_hashes = list(block_hashes)
+        if not isinstance(block_hashes, (set, frozenset)):
+            block_hashes = set(block_hashes)
         out: dict[int, int] = {}
         degree = self._degree
         for w, s in self._blocks.items():
             if degree.get(w) == cp_degree:
-                count_elements(out, s.intersection(block_hashes))
+                count_elements(out, s & block_hashes)  # a set or a shared view (`share_blocks`)
         return out
 
     def holders_at(self, block_hash: int, cp_degree: int) -> list[int]:

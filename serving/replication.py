@@ -26,7 +26,10 @@ class Replication:
       start: index of the first block the destination lacks (blocks before it are retained).
       block_size: tokens per block.
       started: seconds.
-      reason: "inter-degree" or "intra-degree".
+      reason: "inter-degree" or "intra-degree" (the prefix-cache manager's), or
+        "request-transfer" (a router's plan to fetch a request's prefix, Mooncake's Conductor).
+      request_id: for "request-transfer", the request whose prefill waits for the copy; a
+        backend that can (the simulator) starts that prefill only once the copy is done.
     """
 
     src: int
@@ -36,6 +39,7 @@ class Replication:
     block_size: int
     started: float
     reason: str
+    request_id: str | int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -43,15 +47,19 @@ class Replication:
         return len(self.chain) - self.start
 
 
-REASONS = ("inter-degree", "intra-degree")
+REASONS = ("inter-degree", "intra-degree", "request-transfer")
 
 
 class ReplicationMixin:
     """Scheduler methods for copies and reclamations (see `Scheduler`)."""
 
     def begin_replication(self, src: int, dst: int, chain: Sequence[int], block_size: int,
-                          now: float, reason: str = "intra-degree") -> Replication:
+                          now: float, reason: str = "intra-degree",
+                          request_id: str | int | None = None) -> Replication:
         """Starts copying the prefix `chain` from `src` to `dst` (only the missing blocks).
+
+        `request_id` names the request whose prefill waits for the copy (reason
+        "request-transfer"); None for copies no prefill waits for.
 
         Raises:
           ValueError: (nothing changed) src == dst, an unknown or non-ACTIVE destination, a
@@ -64,6 +72,9 @@ class ReplicationMixin:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        if (request_id is not None) != (reason == "request-transfer"):
+            raise ValueError(f"request_id must be given exactly for reason 'request-transfer', "
+                             f"got reason={reason!r}, request_id={request_id!r}")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")
         w = self.workers.get(dst)
@@ -80,7 +91,7 @@ class ReplicationMixin:
         key = (dst, chain[-1])
         if key in self.replications:
             raise ValueError(f"a copy of this prefix to worker {dst} is already in flight")
-        rep = Replication(src, dst, chain, have_dst, block_size, now, reason)
+        rep = Replication(src, dst, chain, have_dst, block_size, now, reason, request_id)
         self.replications[key] = rep
         self.backend.replicate(rep, now)
         return rep

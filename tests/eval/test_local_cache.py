@@ -104,3 +104,119 @@ def test_merged_caches_keep_parents_more_recent_than_children():
     merged.adopt([])
     kept = dict(merged.blocks())
     assert all(p is None or p in kept for p in kept.values())
+
+
+class _ReferenceLRU:
+    """The cache's semantics written plainly (a list, oldest first; every touch eager), to
+    check the optimised `LocalPrefixCache` against."""
+
+    def __init__(self, capacity):
+        self.capacity, self.order, self.parent, self.reserved = capacity, [], {}, 0
+
+    def _touch(self, h):
+        self.order.remove(h)
+        self.order.append(h)
+
+    def _evict_lru(self, n):
+        out = self.order[:max(n, 0)]
+        for h in out:
+            self.order.remove(h)
+            del self.parent[h]
+        return out
+
+    def begin(self, chain, max_blocks, total):
+        hit = 0
+        while hit < min(max_blocks, len(chain)) and chain[hit] in self.parent:
+            hit += 1
+        for h in reversed(chain[:hit]):
+            self._touch(h)
+        need = total - hit
+        evicted = self._evict_lru(len(self.order) + self.reserved + need - self.capacity)
+        self.reserved += need
+        return hit, evicted
+
+    def finish(self, chain, hit, full, total):
+        self.reserved -= total - hit
+        inserted = []
+        for k in range(full - 1, hit - 1, -1):
+            if chain[k] in self.parent:
+                self._touch(chain[k])
+            else:
+                self.order.append(chain[k])
+                self.parent[chain[k]] = chain[k - 1] if k else None
+                inserted.append(chain[k])
+        for h in reversed(chain[:hit]):
+            if h in self.parent:
+                self._touch(h)
+        return inserted
+
+    def insert_chain(self, chain):
+        if len(chain) > self.capacity - self.reserved:
+            return [], []
+        inserted = []
+        for k in range(len(chain) - 1, -1, -1):
+            if chain[k] in self.parent:
+                self._touch(chain[k])
+            else:
+                self.order.append(chain[k])
+                self.parent[chain[k]] = chain[k - 1] if k else None
+                inserted.append(chain[k])
+        return inserted, self._evict_lru(len(self.order) + self.reserved - self.capacity)
+
+    def evict_blocks(self, hashes):
+        out = [h for h in hashes if h in self.parent]
+        for h in out:
+            self.order.remove(h)
+            del self.parent[h]
+        return out
+
+    def reclaim_suffix(self, chain):
+        out = []
+        for h in reversed(chain):
+            if h not in self.parent or h in self.parent.values():
+                break
+            self.order.remove(h)
+            del self.parent[h]
+            out.append(h)
+        return out
+
+    def blocks(self):
+        return [(h, self.parent[h]) for h in self.order]
+
+
+def test_matches_a_plain_reference_under_random_operations():
+    """Every result and the full recency order agree with `_ReferenceLRU` after each step of
+    seeded random prefills, with copies, evictions and reclaims also while a prefill runs."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    roots = [chain_block_hashes([k] + list(range(50 * k, 50 * k + 10))) for k in range(5)]
+    chains = roots + [chain_block_hashes(list(range(900 + 7 * k, 904 + 7 * k)), roots[k % 5][3])
+                      for k in range(5)]  # branches off the roots' fourth block
+    for capacity in (6, 12, 25):
+        cache, ref = LocalPrefixCache(capacity), _ReferenceLRU(capacity)
+        running = None  # (chain, hit, full blocks, total blocks) of the prefill in progress
+        for step in range(800):
+            op = int(rng.integers(6))
+            chain = chains[int(rng.integers(len(chains)))]
+            n = int(rng.integers(1, len(chain) + 1))
+            if op <= 1 and running is None and n <= capacity:
+                total = n
+                full = n - int(rng.integers(2))  # a partial last block half the time
+                got = cache.begin(chain[:n], max(total - 1, 0), total)
+                assert got == ref.begin(chain[:n], max(total - 1, 0), total), f"step {step}"
+                running = (chain[:n], got[0], full, total)
+            elif op <= 2 and running is not None:
+                c, hit, full, total = running
+                assert cache.finish(c, hit, full, total) == ref.finish(c, hit, full, total)
+                running = None
+            elif op == 3:
+                assert cache.insert_chain(chain[:n]) == ref.insert_chain(chain[:n])
+            elif op == 4:
+                assert cache.evict_blocks(chain[n - 1:n]) == ref.evict_blocks(chain[n - 1:n])
+            elif op == 5:
+                assert cache.reclaim_suffix(chain[:n]) == ref.reclaim_suffix(chain[:n])
+            if running is None or step % 5 == 0:
+                assert cache.blocks() == ref.blocks(), f"capacity {capacity}, step {step}"
+            assert len(cache) == len(ref.order)
+            assert cache.free_blocks == capacity - len(ref.order) - ref.reserved

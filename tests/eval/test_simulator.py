@@ -91,3 +91,65 @@ def test_unsorted_requests_rejected():
     reqs = [make_request("a", 1.0, 10, [1]), make_request("b", 0.5, 10, [2])]
     with pytest.raises(ValueError, match="sorted by arrival_time"):
         simulate(reqs, layout_workers([1], 4, 100), cost, LeastWorkRouter(), cost)
+
+
+def test_sharing_the_caches_with_the_index_changes_no_decision():
+    """The simulator lets the prefix index read the workers' caches (`share_blocks`); with an
+    index that keeps its own copy from the KV events every record must be the same."""
+    from serving.prefix_trie import GlobalPrefixTrie
+
+    class CopyingTrie(GlobalPrefixTrie):
+        share_blocks = None  # the simulator then keeps the index from the KV events
+
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(300):  # 6 shared prefixes, random suffixes, random lengths
+        n = int(rng.integers(600, 4000))
+        ids = [int(rng.integers(6))] + rng.integers(10, 10_000, num_blocks(n, 512)).tolist()
+        reqs.append(make_request(i, i * 0.05, n, ids[:num_blocks(n, 512)]))
+    workers = layout_workers([1, 1, 2], kv_blocks_per_device=24, max_input_len=10_000)
+    cost = LinearCost()
+    cfg = SimConfig(kv_bytes_per_token=0, first_token_seconds=0.0, tick_interval=0.0)
+    runs = []
+    for index in (GlobalPrefixTrie(), CopyingTrie()):
+        records = simulate(reqs, workers, cost, LeastWorkRouter(), cost, cfg, prefix_index=index)
+        runs.append([(r.request.request_id, r.worker_id, r.start_time, r.cached_len,
+                      r.global_cached_len) for r in records])
+    assert runs[0] == runs[1]
+    assert sum(r[3] for r in runs[0]) > 0  # prefixes were reused (small caches: evictions too)
+
+
+def test_mooncake_conductor_transfer_is_copied_and_waited_for():
+    """Hand-computed: the Conductor sends r2 to the idle worker with a 7-block copy of r0's
+    prefix from the busy one; the simulator copies only those blocks and starts r2 when the
+    copy is done, so TTFT = transfer + prefill of the uncached rest."""
+    from serving.baselines import MooncakeConductorRouter
+
+    kv_bytes, gbps = 1000, 1.0  # one block copy: 512 * 1000 B / 1e9 B/s = 0.512 ms
+    reqs = [make_request("r0", 0.0, 4096, range(1, 9)),                 # w0, [0, 4.196]
+            make_request("r1", 5.0, 10_000, [1] + list(range(100, 119))),  # w0 (1-block hit)
+            make_request("r2", 6.0, 4096, list(range(1, 8)) + [50])]      # shares 7 with r0
+    workers = layout_workers([1, 1], kv_blocks_per_device=100, max_input_len=20_000)
+    cost = LinearCost()
+    cfg = SimConfig(kv_bytes_per_token=kv_bytes, kv_transfer_gb_per_s=0.0,
+                    replication_gb_per_s=gbps, first_token_seconds=0.0, tick_interval=0.0)
+    logs = []
+    for execute in (True, False):
+        router = MooncakeConductorRouter(kv_bytes, gbps, cost_model=cost, execute_transfers=execute)
+        records = {r.request.request_id: r for r in simulate(
+            reqs, workers, cost, router, cost, cfg, setup=[logs.append])}
+        assert [records[k].worker_id for k in ("r0", "r1", "r2")] == [0, 0, 1]
+        assert records["r1"].start_time == pytest.approx(5.0)
+        r2 = records["r2"]
+        if execute:
+            # w0: 8.588 s of r1 left + 0.612 s; w1: 7 * 0.512 ms + (0.1 + 0.512) s: copy.
+            assert router.transfers_started == 1 and router.transfers_refused == 0
+            assert r2.cached_len == 7 * 512
+            assert r2.ttft == pytest.approx(7 * 0.512e-3 + 0.612)
+            [copy] = logs[-1].replication_log
+            assert (copy["src"], copy["dst"], copy["blocks"], copy["reason"]) == (
+                0, 1, 7, "request-transfer")
+            assert copy["finished"] == pytest.approx(6.0 + 7 * 0.512e-3)
+        else:  # the plan is only an estimate: r2 recomputes its whole prompt on worker 1
+            assert router.transfers_started == 0 and not logs[-1].replication_log
+            assert r2.cached_len == 0 and r2.ttft == pytest.approx(0.1 + 4.096)

@@ -116,7 +116,9 @@ def test_bad_arguments_change_nothing():
     s, b = setup()
     s.prefix_index.insert(0, DOC.block_hashes[:4])
     for kwargs, msg in ((dict(block_size=0), "block_size"), (dict(reason="why"), "reason"),
-                        (dict(now=math.nan), "now")):
+                        (dict(now=math.nan), "now"),
+                        (dict(reason="request-transfer"), "request_id"),  # names no request
+                        (dict(request_id="r7"), "request_id")):  # a request on a manager copy
         args = dict(src=0, dst=1, chain=DOC.block_hashes[:4], block_size=512, now=0.0)
         args.update(kwargs)
         with pytest.raises(ValueError, match=msg):

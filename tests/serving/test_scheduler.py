@@ -162,3 +162,25 @@ def test_pending_prefixes_count_promised_blocks_until_the_prefill_ends():
     s.begin_reconfiguration("merge", [0, 1], [merged], 3.5)
     # e now waits for the merged worker (both old ones drain); only c's and d's promises remain.
     assert promised() == 8 and s.num_in_flight == 3
+
+
+def test_shared_blocks_are_read_live_and_events_for_them_ignored():
+    idx = PrefixIndex()
+    idx.insert(0, [1, 2])
+    cache = {5: None, 6: 5}  # a worker cache keyed by block hash (as the simulator's LRU)
+    with pytest.raises(ValueError, match="worker 0: the shared blocks"):
+        idx.share_blocks(0, cache.keys())  # would silently change what the index reports
+    assert idx.match_blocks([1, 2], 2, [0]) == [2]  # unchanged by the refused call
+    idx.share_blocks(1, cache.keys())
+    idx.insert(1, [5, 6])  # the owner reports its events too: no-ops for a shared worker
+    cache[7] = 6
+    assert idx.match_blocks([5, 6, 7], 3, [0, 1]) == [0, 3]  # read live
+    del cache[6]
+    idx.evict(1, [6])
+    assert idx.match_blocks([5, 6, 7], 3, [1]) == [1]
+    assert idx.global_match_blocks([1, 2, 9], 3) == 2 and idx.holders(5) == frozenset({1})
+    assert len(idx) == 4 and idx.num_blocks(1) == 2
+    assert sorted(idx.drop_worker(1)) == [5, 7]
+    idx.insert(1, [8])  # a new worker 1 (not shared) keeps its own copy again
+    cache[8] = None
+    assert idx.match_blocks([8], 1, [1]) == [1] and idx.num_blocks(1) == 1
