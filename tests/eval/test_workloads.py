@@ -47,7 +47,6 @@ def test_retime_truncates_and_cycles():
 
 
 def test_reuse_fraction_hand_case():
-    bs = 4
     r1 = req("r1", 0, n=10, ids=[7, 8, 9])    # cold; leaves blocks (7), (7, 8)
     r2 = req("r2", 1, n=9, ids=[7, 8, 5])     # hits 2 blocks = 8 tokens
     r3 = req("r3", 2, n=8, ids=[7, 8])        # 2 full blocks, but the last token is
