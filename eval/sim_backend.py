@@ -95,7 +95,10 @@ class SimulatedBackend:
         self._push = push_completion
         self._push_call = push_call
         self.scheduler = None
-        self._awaited: dict[str | int, float] = {}  # request id -> when the copy it awaits ends
+        # request id -> (destination, end time, copy) of the newest copy made for it; a request
+        # re-routed while its copy is in flight (its worker began a split or merge) may get a
+        # new copy elsewhere, and the old one neither holds nor releases it.
+        self._awaited: dict[str | int, tuple[int, float, object]] = {}
 
     def recarve(self, reconfiguration, now: float) -> None:
         """Split or merge the caches of drained workers; done `recarve_seconds` later.
@@ -160,11 +163,13 @@ class SimulatedBackend:
                    if self._config.replication_gb_per_s > 0 else 0.0)
         done = now + seconds
         if rep.request_id is not None:
-            self._awaited[rep.request_id] = done
+            self._awaited[rep.request_id] = (rep.dst, done, rep)
 
         def finish():
             if rep.request_id is not None:
-                self._awaited.pop(rep.request_id, None)
+                entry = self._awaited.get(rep.request_id)
+                if entry is not None and entry[2] is rep:
+                    del self._awaited[rep.request_id]
             cache = self.caches.get(rep.dst)
             inserted, evicted = cache.insert_chain(rep.chain) if cache is not None else ([], [])
             self.scheduler.finish_replication(rep, done, inserted, evicted)
@@ -187,10 +192,11 @@ class SimulatedBackend:
         copy is done (the worker waits: TTFT = queue + transfer + prefill, as Mooncake's
         Conductor estimates it)."""
         if self._awaited:
-            done = self._awaited.get(request.request_id)
-            if done is not None:  # (a zero-time copy too: its completion runs first)
+            entry = self._awaited.get(request.request_id)
+            if entry is not None and entry[0] == worker_id:  # (a zero-time copy too)
                 # The copy's completion was scheduled first: at `done` it has been cached and
                 # the request no longer awaits it.
+                done = entry[1]
                 self._push_call(done, lambda: self.start_prefill(worker_id, request, done))
                 return
         cache = self.caches[worker_id]

@@ -9,6 +9,8 @@ per degree, the fitted cost model). Built in here:
 - `vertumnus`: the full system: initial composition from demand, the placement-cost router,
   the split/merge controller and the global prefix-cache manager; `vertumnus-nocache` without
   the cache manager, `vertumnus-static` without controller and cache manager (ablations);
+  `vertumnus-fetch` with `serving.fetch_router.FetchingVertumnusRouter` (the placement cost
+  may fetch another worker's prefix; an extension beyond the paper);
 - `static-threshold`: two fixed pools, half the GPUs at the largest of `--degrees` and half at
   the smallest, inputs of >= 8192 tokens to the large-degree pool (FlexLB's rule,
   `serving.baselines.StaticThresholdRouter`);
@@ -34,6 +36,7 @@ from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCa
 from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
 from serving.controller import ControllerConfig, ReconfigurationController, initial_composition
 from serving.cost_router import VertumnusRouter
+from serving.fetch_router import FetchingVertumnusRouter
 from serving.plugins import import_spec
 from serving.prefix_index import PrefixIndex
 from serving.prefix_trie import GlobalPrefixTrie
@@ -108,7 +111,8 @@ class System:
     """A built system: its workers, router and periodic hooks (controller, cache manager).
 
     Attributes:
-      name: the system's name in results.
+      name: the system's own name (a built-in system is named so in results; a plug-in
+        given as `module:attribute` is named by that spec instead).
       workers: the initial pool composition.
       router: the routing policy (`serving.router.Router`).
       tick_hooks: periodic hooks `(scheduler, now)`.
@@ -191,13 +195,16 @@ def mixed_degrees(num_gpus: int, degrees: Sequence[int]) -> list[int]:
 def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: bool = True,
                      name: str = "vertumnus", beta: float = 1.0, lam: float = 1.0,
                      controller_config: ControllerConfig | None = None,
-                     cache_config: CacheManagerConfig | None = None) -> System:
+                     cache_config: CacheManagerConfig | None = None,
+                     fetch: bool = False) -> System:
     """The full system: placement-cost router, split/merge controller and prefix-cache manager.
 
     The initial composition comes from the pool's historical demand (`initial_composition`,
     target load = the controller's upper threshold), or `mixed_degrees` when none is known.
     `beta`, `lam` and the two configs are the knobs of the sensitivity sweeps (the controller's
-    degree range is always the pool's `degrees`).
+    degree range is always the pool's `degrees`). `fetch` uses `FetchingVertumnusRouter` (the
+    placement cost may fetch another worker's prefix, priced at the pool's
+    `kv_transfer_gb_per_s`), an extension beyond the paper.
     """
     degrees = sorted(set(pool.degrees))
     ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
@@ -215,7 +222,10 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
     if cache_manager:
         setup.append(PrefixCacheManager(cache_config or CacheManagerConfig()).attach)
-    return System(name, pool.workers(comp), VertumnusRouter(beta=beta, lam=lam), setup=setup,
+    router = (FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
+                                      beta=beta, lam=lam) if fetch
+              else VertumnusRouter(beta=beta, lam=lam))
+    return System(name, pool.workers(comp), router, setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 
@@ -238,6 +248,8 @@ register_system("vertumnus-static", lambda pool: vertumnus_system(
     pool, controller=False, cache_manager=False, name="vertumnus-static"))
 register_system("vertumnus-nocache", lambda pool: vertumnus_system(
     pool, cache_manager=False, name="vertumnus-nocache"))
+register_system("vertumnus-fetch", lambda pool: vertumnus_system(
+    pool, fetch=True, name="vertumnus-fetch"))
 register_system("static-threshold", _static_threshold)
 register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))
 register_system("sglang-cp4", _homogeneous4("sglang-cp4", lambda p: SglangCacheAwareRouter()))

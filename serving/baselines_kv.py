@@ -111,7 +111,8 @@ class MooncakeConductorRouter:
       kv_bytes_per_token: bytes of K and V of one token, all layers
         (`ModelSpec.kv_bytes_per_token`), >= 0.
       transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (1e9 bytes/s), >= 0;
-        0 = free. Default 50: one 400 Gb/s RDMA NIC (as `eval.simulator.SimConfig`).
+        0 = free. Default 100, the simulator's `SimConfig.replication_gb_per_s` (the rate it
+        charges the copies at).
       kvcache_balancing_threshold: ratio best_len / h_w from which a transfer is considered, >= 1.
       cost_model: `predict(cp_degree, input_len, cached_len) -> seconds`; None = the
         scheduler's (set by `bind`).
@@ -122,7 +123,7 @@ class MooncakeConductorRouter:
       ValueError: an argument outside the range above.
     """
 
-    def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 50.0,
+    def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 100.0,
                  kvcache_balancing_threshold: float = 1.0, cost_model=None,
                  name: str = "mooncake-conductor", execute_transfers: bool = True) -> None:
         if not kv_bytes_per_token >= 0:
@@ -185,6 +186,6 @@ class MooncakeConductorRouter:
                     request.block_size, now, reason="request-transfer",
                     request_id=request.request_id)
                 self.transfers_started += 1
-            except ValueError:
+            except (ValueError, NotImplementedError):  # refused, or a backend without copies
                 self.transfers_refused += 1
         return i

@@ -49,13 +49,17 @@ class PrefixIndex:
         are then no-ops, until `drop_worker`.
 
         Raises:
+          TypeError: `blocks` is not a set-like container (`collections.abc.Set`).
           ValueError: the index holds blocks for the worker that `blocks` does not equal (the
             view would silently change what the index reports).
         """
+        if not isinstance(blocks, AbstractSet):
+            raise TypeError(f"blocks must be a set-like view (collections.abc.Set, e.g. "
+                            f"dict.keys()), got {type(blocks).__name__}")
         held = self._blocks.get(worker_id)
         if held is not None and held != blocks:
-            raise ValueError(f"worker {worker_id}: the shared blocks ({len(blocks)}) differ from "
-                             f"the {len(held)} blocks the index holds for it")
+            raise ValueError(f"worker {worker_id}: the shared blocks differ from the blocks the "
+                             f"index holds for it ({len(blocks)} shared, {len(held)} held)")
         self._blocks[worker_id] = blocks
         self._shared.add(worker_id)
 

@@ -64,7 +64,9 @@ class ReplicationMixin:
         Raises:
           ValueError: (nothing changed) src == dst, an unknown or non-ACTIVE destination, a
             source that does not hold the whole chain, a destination that already holds it,
-            or a copy of this prefix to `dst` already in flight.
+            a copy of this prefix to `dst` already in flight, an unknown reason, or a
+            `request_id` given without reason "request-transfer" (or that reason without one).
+          NotImplementedError: (nothing changed) the backend does not copy between workers.
         """
         if src == dst:
             raise ValueError(f"src and dst are both worker {src}")
@@ -93,7 +95,11 @@ class ReplicationMixin:
             raise ValueError(f"a copy of this prefix to worker {dst} is already in flight")
         rep = Replication(src, dst, chain, have_dst, block_size, now, reason, request_id)
         self.replications[key] = rep
-        self.backend.replicate(rep, now)
+        try:
+            self.backend.replicate(rep, now)
+        except BaseException:
+            del self.replications[key]  # the backend did not take the copy: nothing in flight
+            raise
         return rep
 
     def finish_replication(self, rep: Replication, now: float, inserted: Sequence[int],

@@ -40,8 +40,9 @@ def chain_block_hashes(block_ids: Iterable[int], parent: int = 0) -> tuple[int, 
       parent: the hash of the prefix before the first block (0 for the start of a prompt).
 
     Returns:
-      A tuple of 64-bit ints, `h[k] = splitmix64(h[k-1] * 31 + splitmix64(id[k]))`, so `h[k]`
-      depends on every block up to k. Deterministic across processes (no `PYTHONHASHSEED`).
+      A tuple of 64-bit ints, `h[k] = splitmix64((h[k-1] * 31) ^ splitmix64(id[k]))` (mod
+      2**64), so `h[k]` depends on every block up to k. Deterministic across processes (no
+      `PYTHONHASHSEED`).
     """
     out = []
     h = parent
@@ -70,11 +71,19 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int,
     the KV cache keys of `vertumnus_jax.block_hash.block_hashes`.
 
     Raises:
-      ValueError: `block_size < 1`.
+      ValueError: `block_size < 1`, or a token id outside [0, 2**31) (the int32 ids the model
+        and the cache keys use).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    toks = np.asarray(token_ids, dtype="<i4")
+    toks = np.asarray(token_ids)
+    if toks.size and (toks.ndim != 1 or not np.issubdtype(toks.dtype, np.integer)
+                      or toks.min() < 0 or toks.max() >= 2**31):
+        raise ValueError(f"token_ids must be a flat sequence of integers in [0, 2**31), got "
+                         f"dtype {toks.dtype}, shape {toks.shape}"
+                         + (f", range [{toks.min()}, {toks.max()}]" if toks.size and np.issubdtype(
+                             toks.dtype, np.integer) else ""))
+    toks = toks.astype("<i4")
     return chain_block_hashes(block_content_id(toks[i:i + block_size])
                               for i in range(0, len(toks), block_size))
 

@@ -45,7 +45,9 @@ class RequestRecord:
     Attributes:
       request: the request.
       worker_id, cp_degree, epoch: where it ran (None when it never ran).
-      start_time: when its prefill started; finish_time: when it ended on the worker.
+      start_time: when the scheduler started it on its worker (`Backend.start_prefill`; a
+        simulated prefill that waits for a prefix copy made for it begins later, so the wait
+        counts here as prefill, not queueing); finish_time: when it ended on the worker.
       first_token_time: when the first token reached the client (None on failure).
       cached_len: prompt tokens served from the worker's prefix cache.
       predicted_cached_len: the prefix the scheduler expected the worker to hold.

@@ -153,3 +153,96 @@ def test_mooncake_conductor_transfer_is_copied_and_waited_for():
         else:  # the plan is only an estimate: r2 recomputes its whole prompt on worker 1
             assert router.transfers_started == 0 and not logs[-1].replication_log
             assert r2.cached_len == 0 and r2.ttft == pytest.approx(0.1 + 4.096)
+
+
+def test_fetching_vertumnus_router_copies_and_waits():
+    """The same scenario with the placement cost that may fetch (`FetchingVertumnusRouter`):
+    r2 goes to the idle worker with the 7-block copy, TTFT = transfer + prefill of the rest."""
+    from serving.fetch_router import FetchingVertumnusRouter
+
+    kv_bytes, gbps = 1000, 1.0
+    reqs = [make_request("r0", 0.0, 4096, range(1, 9)),
+            make_request("r1", 5.0, 10_000, [1] + list(range(100, 119))),
+            make_request("r2", 6.0, 4096, list(range(1, 8)) + [50])]
+    workers = layout_workers([1, 1], kv_blocks_per_device=100, max_input_len=20_000)
+    cost = LinearCost()
+    cfg = SimConfig(kv_bytes_per_token=kv_bytes, kv_transfer_gb_per_s=0.0,
+                    replication_gb_per_s=gbps, first_token_seconds=0.0, tick_interval=0.0)
+    router = FetchingVertumnusRouter(kv_bytes, gbps, cost_model=cost)
+    scheds = []
+    records = {r.request.request_id: r for r in simulate(
+        reqs, workers, cost, router, cost, cfg, setup=[scheds.append])}
+    assert [records[k].worker_id for k in ("r0", "r1", "r2")] == [0, 0, 1]
+    assert records["r2"].cached_len == 7 * 512
+    assert records["r2"].ttft == pytest.approx(7 * 0.512e-3 + 0.612)
+    assert [(c["src"], c["dst"], c["blocks"], c["reason"]) for c in scheds[0].replication_log] == [
+        (0, 1, 7, "request-transfer")]
+    assert router.transfers_started == 1
+
+
+@pytest.mark.parametrize("mode", ["merge", "busy"])
+def test_a_rerouted_request_waits_only_for_its_own_copy(mode):
+    """B's prefix is being copied to worker 3 when worker 3 starts a split: B (queued there) is
+    re-routed. It must neither wait for that stale copy ("merge": no copy source is left, B
+    runs cold at once) nor start before its new copy ("busy": the stale copy ends at 0.82 s,
+    B's own one at 0.91 s; B is then the only request on worker 4)."""
+    from serving.baselines import MooncakeConductorRouter
+    from serving.worker import WorkerSpec
+
+    class Cost:  # 1 ms a new token; CP-2 1 % slower, so CP-1 workers win ties
+        def predict(self, c, n, cached):
+            return (n - cached) * 1e-3 * (1.01 if c == 2 else 1.0)
+
+        __call__ = predict
+
+    bs, shared = 4, list(range(1, 101))  # a 400-token prefix
+    def r(rid, t, n, hashes):
+        return Request(rid, t, n, 1, tuple(hashes), bs)
+
+    workers = [WorkerSpec(0, 1, 0, 1000, 10**6), WorkerSpec(1, 1, 1, 1000, 10**6),
+               WorkerSpec(2, 2, 2, 2000, 10**6), WorkerSpec(3, 2, 4, 2000, 10**6)]
+    reqs = [r("A", 0.0, 404, shared + [500]), r("X", 0.41, 2000, shared + list(range(1000, 1400))),
+            r("X2", 0.42, 2000, list(range(2000, 2500))), r("Z", 0.43, 300, range(3000, 3075)),
+            r("B", 0.62, 420, shared + list(range(4000, 4005)))]
+    if mode == "busy":
+        reqs += [r("Q1", 0.705, 120, range(5000, 5030)), r("Q2", 0.706, 120, range(6000, 6030))]
+    state = {"first": None, "second": False}
+
+    def hook(s, now):  # split an idle CP-2 worker at 0.5 s; at 0.7 s (0.71) split Z's worker
+        if state["first"] is None and now >= 0.5 - 1e-9:
+            w = next(w for w, st in s.workers.items() if st.cp_degree == 2 and st.running is None)
+            fd = s.workers[w].spec.first_device
+            a, b = s.new_worker_ids(2)
+            s.begin_reconfiguration("split", [w], [WorkerSpec(a, 1, fd, 1000, 10**6),
+                                                   WorkerSpec(b, 1, fd + 1, 1000, 10**6)], now)
+            state["first"] = a
+        elif (state["first"] in s.workers and not state["second"]
+              and now >= (0.71 if mode == "busy" else 0.7) - 1e-9):
+            zw = next(w for w, st in s.workers.items()
+                      if st.running is not None and st.running.request_id == "Z")
+            if mode == "merge":  # also the copy source goes: no worker holds the prefix
+                [m] = s.new_worker_ids(1)
+                s.begin_reconfiguration("merge", [0, 1], [WorkerSpec(m, 2, 0, 2000, 10**6)], now)
+            fd = s.workers[zw].spec.first_device
+            c, d = s.new_worker_ids(2)
+            s.begin_reconfiguration("split", [zw], [WorkerSpec(c, 1, fd, 1000, 10**6),
+                                                    WorkerSpec(d, 1, fd + 1, 1000, 10**6)], now)
+            state["second"] = True
+
+    cfg = SimConfig(kv_bytes_per_token=1_000_000, kv_transfer_gb_per_s=0, first_token_seconds=0.0,
+                    tick_interval=0.01, replication_gb_per_s=2.0, recarve_seconds=0.2)
+    scheds = []
+    records = simulate(reqs, workers, Cost(), MooncakeConductorRouter(1_000_000, 2.0), Cost(),
+                       cfg, tick_hooks=[hook], setup=[scheds.append])
+    assert sorted(x.request.request_id for x in records) == sorted(x.request_id for x in reqs)
+    b = next(x for x in records if x.request.request_id == "B")
+    copies = [(c["dst"], c["started"], c["finished"]) for c in scheds[0].replication_log]
+    assert copies[0] == (3, 0.62, pytest.approx(0.82))  # 100 blocks * 4 MB at 2 GB/s
+    if mode == "merge":
+        # Re-routed at 0.70 s to an idle worker, no copy possible: cold 420 ms prefill at once.
+        assert b.cached_len == 0 and b.finish_time == pytest.approx(1.12)
+    else:
+        # Re-routed at 0.71 s with a new copy to worker 4 (0.71 -> 0.91); then 20 ms of prefill.
+        assert copies[1] == (4, pytest.approx(0.71), pytest.approx(0.91))
+        assert b.cached_len == 400 and b.finish_time == pytest.approx(0.93)
+    assert scheds[0].backend._awaited == {}

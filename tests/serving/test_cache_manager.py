@@ -129,3 +129,19 @@ def test_bad_arguments_change_nothing():
     for bad in (dict(scan_interval_s=math.inf), dict(max_actions=2.5), dict(min_missed_tokens=math.nan)):
         with pytest.raises(ValueError):
             CacheManagerConfig(**bad)
+
+
+def test_a_backend_without_copies_leaves_nothing_in_flight():
+    """`Backend.replicate` may raise NotImplementedError: the copy is then not in flight."""
+    import pytest
+
+    s, b = setup()
+
+    def no_copies(rep, now):
+        raise NotImplementedError("this backend does not copy between workers")
+
+    b.replicate = no_copies
+    s.prefix_index.insert(0, DOC.block_hashes[:4])
+    with pytest.raises(NotImplementedError):
+        s.begin_replication(0, 1, DOC.block_hashes[:4], 512, 0.0)
+    assert s.replications == {}

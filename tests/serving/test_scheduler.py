@@ -184,3 +184,10 @@ def test_shared_blocks_are_read_live_and_events_for_them_ignored():
     idx.insert(1, [8])  # a new worker 1 (not shared) keeps its own copy again
     cache[8] = None
     assert idx.match_blocks([8], 1, [1]) == [1] and idx.num_blocks(1) == 1
+
+
+def test_shared_blocks_must_be_set_like():
+    idx = PrefixIndex()
+    with pytest.raises(TypeError, match="set-like"):
+        idx.share_blocks(0, [1, 2, 3])
+    assert idx.num_blocks(0) == 0

@@ -54,6 +54,9 @@ def test_serving_prompt_hashes_equal_the_cache_keys():
             assert got[-1] == chain_hashes([tail], got[-2] if len(got) > 1 else 0)[0]
     with pytest.raises(ValueError, match="block_size"):
         serving_request.prompt_block_hashes([1, 2], 0)
+    for bad in ([2**31, 1], [-1, 2], [[1, 2]], [1.5]):  # outside the int32 ids the cache keys use
+        with pytest.raises(ValueError, match="token_ids"):
+            serving_request.prompt_block_hashes(bad, BS)
 
 
 def test_reuse_of_leading_blocks_and_no_hit_on_later_block_only():

@@ -1,0 +1,96 @@
+"""The placement cost with a per-request prefix fetch: hand-computed plans and the copy it starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.cost_router import VertumnusRouter
+from serving.fetch_router import FetchingVertumnusRouter
+from serving.prefix_index import PrefixIndex
+from serving.request import Request, chain_block_hashes
+from serving.worker import WorkerState, layout_workers
+
+BS = 512
+
+
+class LinearCost:
+    """predict = (L - h) * 1 ms / C: easy to compute by hand."""
+
+    def predict(self, cp_degree: int, input_len: int, cached_len: int) -> float:
+        return (input_len - cached_len) * 1e-3 / cp_degree
+
+
+class FakeScheduler:
+    """What the router reaches through `bind`: the cost model, the index, copies."""
+
+    def __init__(self, refuse: bool | type = False) -> None:
+        self.cost_model, self.prefix_index = LinearCost(), PrefixIndex()
+        self.copies, self.refuse = [], refuse
+
+    def begin_replication(self, src, dst, chain, block_size, now, reason, request_id=None):
+        if self.refuse is NotImplementedError:
+            raise NotImplementedError("this backend does not copy between workers")
+        if self.refuse:
+            raise ValueError("a copy of this prefix to worker 2 is already in flight")
+        self.copies.append((src, dst, tuple(chain), block_size, now, reason, request_id))
+
+
+def setup(refuse=False):
+    """Workers 0, 1: CP-4; worker 2: CP-2. Worker 0 caches 12 blocks of q, worker 2 four."""
+    workers = [WorkerState(s) for s in layout_workers([4, 4, 2], 1000, 1 << 20)]
+    q = Request("q", 0.0, 16 * BS, 1, chain_block_hashes(range(16)), BS)
+    sched = FakeScheduler(refuse)
+    sched.prefix_index.insert(0, q.block_hashes[:12])
+    sched.prefix_index.insert(2, q.block_hashes[:4])
+    workers[0].queued_seconds, workers[2].queued_seconds = 3.0, 0.5
+    return workers, q, sched
+
+
+def test_fetch_plan_hand_computed_and_the_copy_started():
+    workers, q, sched = setup()
+    r = FetchingVertumnusRouter(kv_bytes_per_token=100_000, transfer_gb_per_s=1.0)
+    r.bind(sched)
+    # One block copy: 512 * 1e5 B / 1e9 B/s = 51.2 ms. Best cached prefix: 12 blocks on worker 0.
+    # S_0 = (8192 - 6144) / 4 ms = 0.512 (holds it);  C*S = 2.048 (the cheapest)
+    # S_1 = min(8.192 / 4, 12 * 0.0512 + 0.512) = 1.1264;  C*S = 4.5056
+    # S_2 = min(6.144 / 2, 8 * 0.0512 + 2.048 / 2) = 1.4336;  C*S = 2.8672
+    # cost = Q + S + (C*S - 2.048): 3.512, 3.584, 0.5 + 1.4336 + 0.8192 = 2.7528
+    plans = r.plans(q, workers, [12, 0, 4], 0.0)
+    assert [p[0] for p in plans] == pytest.approx([3.512, 3.584, 2.7528], abs=1e-12)
+    assert [p[1:] for p in plans] == [(0, -1, 0), (12, 0, 12), (8, 0, 12)]
+    assert r.choose(q, workers, [12, 0, 4], 0.0) == 2
+    assert sched.copies == [(0, 2, q.block_hashes[:12], BS, 0.0, "request-transfer", "q")]
+    assert r.transfers_started == 1
+    # The paper's router (local prefixes only) keeps q on worker 0: 3.512 < 7.668 (worker 2).
+    plain = VertumnusRouter(cost_model=LinearCost())
+    assert plain.costs(q, workers, [12, 0, 4], 0.0) == pytest.approx([3.512, 8.192, 7.668])
+    assert plain.choose(q, workers, [12, 0, 4], 0.0) == 0
+
+
+def test_without_a_cheap_fetch_it_is_the_papers_router():
+    workers, q, sched = setup()
+    slow = FetchingVertumnusRouter(100_000, transfer_gb_per_s=0.01)  # 5.12 s a block
+    slow.bind(sched)
+    plain = VertumnusRouter(cost_model=LinearCost())
+    for matched in ([12, 0, 4], [12, 3, 4], [13, 0, 9]):  # cached, or more when promised
+        assert slow.costs(q, workers, matched, 1.0) == pytest.approx(
+            plain.costs(q, workers, matched, 1.0), abs=1e-12)
+    assert slow.choose(q, workers, [12, 0, 4], 0.0) == 0 and sched.copies == []
+
+
+@pytest.mark.parametrize("refusal", [True, NotImplementedError])
+def test_a_refused_copy_keeps_the_choice_and_is_counted(refusal):
+    workers, q, sched = setup(refuse=refusal)  # a copy in flight, or a backend without copies
+    r = FetchingVertumnusRouter(100_000, transfer_gb_per_s=1.0)
+    r.bind(sched)
+    assert r.choose(q, workers, [12, 0, 4], 0.0) == 2
+    assert (r.transfers_started, r.transfers_refused) == (0, 1)
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        FetchingVertumnusRouter(-1)
+    with pytest.raises(ValueError, match="transfer_gb_per_s"):
+        FetchingVertumnusRouter(1, transfer_gb_per_s=-0.5)
+    with pytest.raises(ValueError, match="beta"):
+        FetchingVertumnusRouter(1, beta=-1)
