@@ -104,6 +104,19 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
     raise RuntimeError(f"the server at {url} was not healthy within {timeout:.0f} s")
 
 
+def pool_changes(url: str, headers: dict | None = None) -> tuple[int, int, list[int]]:
+    """`(finished splits and merges, those in progress, composition)` from `url/v1/workers`.
+
+    Raises:
+      httpx.HTTPError: the server did not answer, or answered with an error status.
+    """
+    r = httpx.get(f"{url}/v1/workers", headers=headers, timeout=10.0)
+    r.raise_for_status()
+    info = r.json()
+    return (len(info["reconfigurations"]), len(info["reconfigurations_in_progress"]),
+            info["composition"])
+
+
 @contextlib.contextmanager
 def launched_server(server_flags: str, url: str, headers: dict | None = None,
                     timeout: float = 300.0):

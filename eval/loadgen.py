@@ -8,7 +8,10 @@ the result as `max_send_lag_s`), with a prompt built by `eval.live_prompts` (blo
 deterministic token blocks, lengths scaled by `--tokens_per_block / trace block size`). TTFT is
 measured at the client (send to response). The JSON and the table are `eval.replay`'s
 (`eval.metrics.summarize` keys, `eval.report.markdown_table`), plus the server's composition
-changes from `GET /v1/workers`.
+changes from `GET /v1/workers`. Before the measured run, unmeasured warm-up rounds of the
+built-in workload (`--warmup_duration` each, a new seed per round) repeat until one passes with
+no split or merge starting or finishing (at most `--warmup_rounds`), so the measurement sees the
+pool the load settles it to, with its prefill executables compiled.
 
 With `--launch_server` the binary `python -m serving.main` is started as a child process with
 `--server_flags`, waited for on `/health`, and stopped with SIGTERM at the end (it finishes its
@@ -29,7 +32,7 @@ import httpx
 from absl import app, flags
 
 from eval import report
-from eval.live_client import launched_server, replay, workload
+from eval.live_client import launched_server, pool_changes, replay, workload
 from eval.live_prompts import PromptScale, scaled_requests
 from eval.metrics import summarize
 
@@ -63,6 +66,10 @@ _SLO_MS = flags.DEFINE_float("slo_ms", 500.0, "TTFT SLO of every request (ms) fo
 _WARMUP = flags.DEFINE_float("warmup_duration", 15.0, "Seconds of an unmeasured warm-up replay "
                              "(the built-in workload, seed + 1) sent first: compiles the prefill "
                              "executables the measured run needs; 0 = none.", lower_bound=0.0)
+_WARMUP_ROUNDS = flags.DEFINE_integer(
+    "warmup_rounds", 4, "Repeat the warm-up (a new seed each round) until a round passes in "
+    "which no split or merge starts or finishes, at most this many rounds: the measured run then "
+    "sees the pool the load settles it to, with its executables compiled.", lower_bound=1)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).")
 _OUT = flags.DEFINE_string("output_dir", "out/loadgen", "Where JSON and table go.")
@@ -92,12 +99,20 @@ def main(argv):
         scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
                             int(info["max_model_len"]))
         pairs = scaled_requests(reqs, scale, int(info["block_size"]))
-        if _WARMUP.value > 0:
-            warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1,
+        for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
+            warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
                                _TRACE_BLOCK.value)
-            print(f"warm-up: {len(warm)} requests over {_WARMUP.value:.0f} s (not measured)")
+            before = pool_changes(url, headers)
             asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
                                _API_KEY.value, _TIMEOUT.value))
+            after = pool_changes(url, headers)
+            print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
+                  f"measured), composition {after[2]}")
+            if after[:2] == (before[0], 0) and not before[1]:
+                break  # no split or merge began or ended during this round: settled
+        else:
+            if _WARMUP.value > 0:
+                print(f"the pool was still changing after {_WARMUP_ROUNDS.value} warm-up rounds")
         print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
               f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
         records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))

@@ -6,11 +6,12 @@ import asyncio
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 
 from eval.live_prompts import PromptScale, scaled_requests
-from eval.live_client import replay, wait_healthy, workload
+from eval.live_client import pool_changes, replay, wait_healthy, workload
 from eval.metrics import summarize
 from tests.serving.api_fixtures import make_client
 
@@ -61,3 +62,18 @@ def test_http_errors_become_failed_records(server_url):
     pairs = scaled_requests(reqs[:2], PromptScale(16, 300, max_len=4096), 16)  # ids >= 256
     records, _ = asyncio.run(replay(url, pairs))
     assert all(not r.ok and r.error.startswith("HTTP 400") for r in records)
+
+
+def test_pool_changes_counts_splits_and_merges(server_url):
+    url, engine = server_url
+    assert pool_changes(url) == (0, 0, [4, 2, 2])
+    r = httpx.post(f"{url}/v1/workers/split", json={"worker_id": 0},
+                   headers={"Authorization": "Bearer admin"}, timeout=10)
+    assert r.status_code == 200, r.text
+    finished, in_progress, _ = pool_changes(url)
+    assert finished + in_progress == 1  # draining or re-carving, or already done
+    end = time.monotonic() + 30
+    while pool_changes(url)[0] < 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert pool_changes(url) == (1, 0, [2, 2, 2, 2])
+    assert len(engine.scheduler.reconfiguration_log) == 1
