@@ -9,9 +9,10 @@ deterministic token blocks, lengths scaled by `--tokens_per_block / trace block 
 measured at the client (send to response). The JSON and the table are `eval.replay`'s
 (`eval.metrics.summarize` keys, `eval.report.markdown_table`), plus the server's composition
 changes from `GET /v1/workers`. Before the measured run, unmeasured warm-up rounds of the
-built-in workload (`--warmup_duration` each, a new seed per round) repeat until one passes with
-no split or merge starting or finishing (at most `--warmup_rounds`), so the measurement sees the
-pool the load settles it to, with its prefill executables compiled.
+built-in workload (`--warmup_duration` each, a new seed per round) repeat until no split or
+merge has started or finished for `--settle_quiet_s` of warm-up (at most `--warmup_rounds`), so
+the measurement sees the pool the load settles it to, with its prefill executables compiled;
+the splits and merges of the warm-up and of the measured run are reported apart.
 
 With `--launch_server` the binary `python -m serving.main` is started as a child process with
 `--server_flags`, waited for on `/health`, and stopped with SIGTERM at the end (it finishes its
@@ -25,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 
@@ -63,13 +65,18 @@ _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Send at most this many 
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload and window.")
 _SLO_MS = flags.DEFINE_float("slo_ms", 500.0, "TTFT SLO of every request (ms) for the SLO "
                              "attainment columns; 0 = none.", lower_bound=0.0)
-_WARMUP = flags.DEFINE_float("warmup_duration", 15.0, "Seconds of an unmeasured warm-up replay "
-                             "(the built-in workload, seed + 1) sent first: compiles the prefill "
-                             "executables the measured run needs; 0 = none.", lower_bound=0.0)
+_WARMUP = flags.DEFINE_float("warmup_duration", 20.0, "Seconds of one unmeasured warm-up round "
+                             "(the built-in workload, a new seed each round): compiles the "
+                             "prefill executables the measured run needs; 0 = no warm-up.",
+                             lower_bound=0.0)
 _WARMUP_ROUNDS = flags.DEFINE_integer(
-    "warmup_rounds", 4, "Repeat the warm-up (a new seed each round) until a round passes in "
-    "which no split or merge starts or finishes, at most this many rounds: the measured run then "
-    "sees the pool the load settles it to, with its executables compiled.", lower_bound=1)
+    "warmup_rounds", 6, "Repeat warm-up rounds until no split or merge has started or finished "
+    "for --settle_quiet_s of warm-up, at most this many rounds: the measured run then sees the "
+    "pool the load settles it to, with its executables compiled.", lower_bound=1)
+_SETTLE_QUIET = flags.DEFINE_float(
+    "settle_quiet_s", 20.0, "Warm-up time with no split or merge after which the pool counts as "
+    "settled (seconds; at least the server controller's hold_s + cooldown_s, 10 + 10 by "
+    "default, or a slow controller is taken for a settled one).", lower_bound=0.0)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).")
 _OUT = flags.DEFINE_string("output_dir", "out/loadgen", "Where JSON and table go.")
@@ -84,6 +91,9 @@ def main(argv):
                               _SEED.value, _TRACE_BLOCK.value)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    if not (math.isfinite(_WARMUP.value) and math.isfinite(_SETTLE_QUIET.value)):
+        sys.exit(f"error: --warmup_duration and --settle_quiet_s must be finite seconds, got "
+                 f"{_WARMUP.value} and {_SETTLE_QUIET.value}")
     if _MAX_REQUESTS.value:
         reqs = reqs[:_MAX_REQUESTS.value]
     if _SLO_MS.value > 0:
@@ -99,6 +109,7 @@ def main(argv):
         scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
                             int(info["max_model_len"]))
         pairs = scaled_requests(reqs, scale, int(info["block_size"]))
+        quiet = 0.0  # warm-up seconds since a split or merge was last seen
         for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
             warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
                                _TRACE_BLOCK.value)
@@ -106,20 +117,24 @@ def main(argv):
             asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
                                _API_KEY.value, _TIMEOUT.value))
             after = pool_changes(url, headers)
+            quiet = quiet + _WARMUP.value if after[:2] == (before[0], 0) and not before[1] else 0.0
             print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
                   f"measured), composition {after[2]}")
-            if after[:2] == (before[0], 0) and not before[1]:
-                break  # no split or merge began or ended during this round: settled
+            if quiet >= _SETTLE_QUIET.value and quiet > 0:
+                break  # no split or merge for long enough: settled
         else:
             if _WARMUP.value > 0:
                 print(f"the pool was still changing after {_WARMUP_ROUNDS.value} warm-up rounds")
+        warmup_changes = pool_changes(url, headers)[0]
         print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
               f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
         records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
     result = summarize(records)
     result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
         reqs[-1].arrival_time, 1e-9), composition=state["composition"],
-        reconfigurations=state["reconfigurations"], max_send_lag_s=state["max_send_lag_s"],
+        warmup_reconfigurations=state["reconfigurations"][:warmup_changes],
+        reconfigurations=state["reconfigurations"][warmup_changes:],
+        max_send_lag_s=state["max_send_lag_s"],
         mean_server_ttft_ms=1e3 * sum(state["server_ttft_s"].values()) / max(
             1, len(state["server_ttft_s"])),
         tokens_per_block=_TOKENS_PER_BLOCK.value)
@@ -129,12 +144,13 @@ def main(argv):
         json.dump(result, f, indent=1, sort_keys=True, allow_nan=False)
     print(report.markdown_table([result]))
     print(f"\ncomposition at the end: {state['composition']}")
-    for r in state["reconfigurations"]:
-        print(f"  epoch {r['epoch']}: {r['kind']} {r['old']} -> {r['new']} ({r['origin']}) at "
-              f"{r['finished']:.1f} s (drained in {r['drained'] - r['started']:.2f} s) -> "
-              f"{r['composition']}")
-    if not state["reconfigurations"]:
-        print("  (no split or merge during the run)")
+    for title, key in (("during the warm-up", "warmup_reconfigurations"),
+                       ("during the measured run", "reconfigurations")):
+        print(f"splits and merges {title}:" + ("" if result[key] else " none"))
+        for r in result[key]:
+            print(f"  epoch {r['epoch']}: {r['kind']} {r['old']} -> {r['new']} ({r['origin']}) "
+                  f"at {r['finished']:.1f} s (drained in {r['drained'] - r['started']:.2f} s) "
+                  f"-> {r['composition']}")
     if result["failed"]:
         print(f"warning: {result['failed']} requests failed: {result['failure_reasons']}")
     print(f"results in {path}")

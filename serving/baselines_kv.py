@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.baselines_common import ActiveRequests, argmin_rotating
+from serving.replication import FetchOnDispatch, check_transfer_args
 from serving.request import Request
 from serving.worker import WorkerState
 
@@ -97,15 +98,16 @@ class MooncakeConductorRouter:
     prefix. SLO-based early rejection and the decode-instance choice are out of scope (decode
     is a separate pool).
 
-    A transfer plan is executed: the router asks the scheduler to copy the missing blocks from
-    a worker holding the best prefix to the chosen one (`begin_replication`, reason
-    "request-transfer", only the blocks the destination lacks), and the simulated backend starts
-    the request's prefill when the copy is done, so the run is charged queue + transfer +
-    prefill with the fetched prefix, as Algorithm 1 estimates it. (The live backend copies but
-    does not hold the prefill for the copy.) A copy the scheduler refuses (e.g. the same prefix
-    already in flight to that worker) leaves the request on its local prefix;
-    `transfers_started` / `transfers_refused` count both. The scheduler reserves the
-    local-prefix estimate. `last_transfer_blocks` reports the plan of the last choice.
+    A transfer plan is executed when the request leaves the chosen worker's queue
+    (`serving.replication.FetchOnDispatch`): the scheduler copies the missing blocks of the
+    longest prefix another worker holds then (reason "request-transfer"), and the simulated
+    backend starts the prefill when the copy is done, so the run is charged queue + transfer +
+    prefill with the fetched prefix, as Algorithm 1 estimates it (the live backend copies but
+    does not hold the prefill for the copy). A fetch not made (nothing longer to fetch by then,
+    or the copy refused) leaves the request on its local prefix; `fetches.started` /
+    `fetches.skipped` count them. Among equal estimates the plan that copies less wins (then
+    round-robin). The scheduler reserves the local-prefix estimate. `last_transfer_blocks`
+    reports the plan of the last choice.
 
     Args:
       kv_bytes_per_token: bytes of K and V of one token, all layers
@@ -126,10 +128,7 @@ class MooncakeConductorRouter:
     def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 100.0,
                  kvcache_balancing_threshold: float = 1.0, cost_model=None,
                  name: str = "mooncake-conductor", execute_transfers: bool = True) -> None:
-        if not kv_bytes_per_token >= 0:
-            raise ValueError(f"kv_bytes_per_token must be >= 0 bytes, got {kv_bytes_per_token}")
-        if not transfer_gb_per_s >= 0:
-            raise ValueError(f"transfer_gb_per_s must be >= 0 GB/s, got {transfer_gb_per_s}")
+        check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
         if not kvcache_balancing_threshold >= 1.0:
             raise ValueError(f"kvcache_balancing_threshold must be >= 1, got "
                              f"{kvcache_balancing_threshold}")
@@ -139,15 +138,14 @@ class MooncakeConductorRouter:
         self.cost_model, self.name = cost_model, name
         self.last_transfer_blocks = 0
         self.execute_transfers = bool(execute_transfers)
-        self.transfers_started = self.transfers_refused = 0
-        self._scheduler = None
+        self.fetches = FetchOnDispatch()
         self._rotation = 0
 
     def bind(self, scheduler) -> None:
         if self.cost_model is None:
             self.cost_model = scheduler.cost_model
-        if self.execute_transfers and hasattr(scheduler, "begin_replication"):
-            self._scheduler = scheduler
+        if self.execute_transfers:
+            self.fetches.attach(scheduler)
 
     def transfer_seconds(self, blocks: int, block_size: int) -> float:
         """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
@@ -174,18 +172,9 @@ class MooncakeConductorRouter:
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
         plans = self.plans(request, candidates, matched_blocks, now)
-        i = argmin_rotating([p[0] for p in plans], self._rotation)
+        i = argmin_rotating(plans, self._rotation)  # (TTFT, blocks copied): fewer copies on ties
         self._rotation += 1
         self.last_transfer_blocks = copied = plans[i][1]
-        if copied and self._scheduler is not None:
-            best = matched_blocks[i] + copied
-            src = candidates[list(matched_blocks).index(best)].spec.worker_id
-            try:
-                self._scheduler.begin_replication(
-                    src, candidates[i].spec.worker_id, request.block_hashes[:best],
-                    request.block_size, now, reason="request-transfer",
-                    request_id=request.request_id)
-                self.transfers_started += 1
-            except (ValueError, NotImplementedError):  # refused, or a backend without copies
-                self.transfers_refused += 1
+        if copied:
+            self.fetches.plan(request, candidates[i].spec.worker_id, matched_blocks[i] + copied)
         return i

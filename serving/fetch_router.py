@@ -16,10 +16,13 @@ on the Mooncake traces (eval/RESULTS.md), so this router adds the fetch to the p
 with `h_w` the prefix cached or promised on w (as `VertumnusRouter`), `c_w` the part of it
 cached now (the blocks a copy must bring are `best - c_w`), and `X(k) = k * B *
 kv_bytes_per_token / (transfer_gb_per_s * 1e9)` seconds. When the chosen plan fetches, the
-router starts the copy at once (`Scheduler.begin_replication`, reason "request-transfer", only
-the missing blocks); the simulated backend starts the request's prefill when the copy is done
-(the live backend copies without holding the prefill). A copy the scheduler refuses (the same
-prefix already in flight to that worker) leaves the request on its local prefix.
+copy is made when the request leaves the worker's queue (`serving.replication.
+FetchOnDispatch`: the longest prefix another worker holds then, only the missing blocks, reason
+"request-transfer"), and the simulated backend starts the prefill when the copy is done (the
+live backend copies without holding the prefill): TTFT = queue + transfer + prefill, as priced.
+A fetch not made (nothing longer to fetch by then, or the copy refused) leaves the request on
+its local prefix. Among equal costs the plan that copies less wins (then round-robin). The
+scheduler reserves the local-prefix estimate `T(C_w, L_r, h_w)`, not `S_w`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.cost_router import VertumnusRouter
+from serving.replication import FetchOnDispatch, check_transfer_args
 from serving.request import Request
 from serving.worker import WorkerState
 
@@ -50,18 +54,16 @@ class FetchingVertumnusRouter(VertumnusRouter):
                  beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus-fetch") -> None:
         super().__init__(beta, lam, cost_model, name)
-        if not kv_bytes_per_token >= 0:
-            raise ValueError(f"kv_bytes_per_token must be >= 0 bytes, got {kv_bytes_per_token}")
-        if not transfer_gb_per_s >= 0:
-            raise ValueError(f"transfer_gb_per_s must be >= 0 GB/s, got {transfer_gb_per_s}")
+        check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
         self.kv_bytes_per_token = int(kv_bytes_per_token)
         self.transfer_gb_per_s = float(transfer_gb_per_s)
-        self.transfers_started = self.transfers_refused = 0
+        self.fetches = FetchOnDispatch()
         self._scheduler = None
 
     def bind(self, scheduler) -> None:
         super().bind(scheduler)
         self._scheduler = scheduler
+        self.fetches.attach(scheduler)
 
     def transfer_seconds(self, blocks: int, block_size: int) -> float:
         """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
@@ -101,7 +103,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
-        """Index of the least placement cost (ties round-robin); starts its copy if it fetches.
+        """Index of the least placement cost (equal costs: the plan copying less, then
+        round-robin); plans its fetch (made at dispatch) if it fetches.
 
         Raises:
           ValueError: no candidate has a finite cost.
@@ -110,24 +113,17 @@ class FetchingVertumnusRouter(VertumnusRouter):
         k = len(plans)
         start = self._rotation % k
         self._rotation += 1
-        best, best_cost = -1, float("inf")
+        best, best_key = -1, (float("inf"), 0)
         for i in (*range(start, k), *range(start)):
-            if plans[i][0] < best_cost:
-                best, best_cost = i, plans[i][0]
+            key = plans[i][:2]
+            if key < best_key:
+                best, best_key = i, key
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: "
                              f"{[p[0] for p in plans]}")
-        _, copied, src, length = plans[best]
-        if copied and self._scheduler is not None:
-            try:
-                self._scheduler.begin_replication(
-                    candidates[src].spec.worker_id, candidates[best].spec.worker_id,
-                    request.block_hashes[:length],
-                    request.block_size, now, reason="request-transfer",
-                    request_id=request.request_id)
-                self.transfers_started += 1
-            except (ValueError, NotImplementedError):  # refused, or a backend without copies
-                self.transfers_refused += 1
+        _, copied, _, length = plans[best]
+        if copied:
+            self.fetches.plan(request, candidates[best].spec.worker_id, length)
         return best
 
     def _cached_blocks(self, request: Request, candidates: Sequence[WorkerState]) -> list[int]:

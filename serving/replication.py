@@ -50,6 +50,19 @@ class Replication:
 REASONS = ("inter-degree", "intra-degree", "request-transfer")
 
 
+def check_transfer_args(kv_bytes_per_token, transfer_gb_per_s) -> None:
+    """Validates a router's KV-copy pricing: an integer number of bytes per token >= 0 and a
+    finite bandwidth >= 0 GB/s (0 = free copies). Raises ValueError naming the field."""
+    if isinstance(kv_bytes_per_token, bool) or not (
+            isinstance(kv_bytes_per_token, int) and kv_bytes_per_token >= 0):
+        raise ValueError(f"kv_bytes_per_token must be an integer >= 0 bytes, got "
+                         f"{kv_bytes_per_token!r}")
+    if not (isinstance(transfer_gb_per_s, (int, float)) and math.isfinite(transfer_gb_per_s)
+            and transfer_gb_per_s >= 0):
+        raise ValueError(f"transfer_gb_per_s must be a finite number >= 0 GB/s, got "
+                         f"{transfer_gb_per_s!r}")
+
+
 class ReplicationMixin:
     """Scheduler methods for copies and reclamations (see `Scheduler`)."""
 
@@ -102,6 +115,35 @@ class ReplicationMixin:
             raise
         return rep
 
+    def fetch_for_request(self, request, dst: int, max_blocks: int, now: float
+                          ) -> Replication | None:
+        """Copies to `dst` the longest leading run of `request`'s blocks (at most `max_blocks`,
+        and at most its cacheable blocks) that another worker of the pool holds, when that is
+        longer than what `dst` holds: a copy for that request (reason "request-transfer"; a
+        backend that can holds the request's prefill until it is done). The source is the
+        holder of the longest run (the lowest worker id among equals).
+
+        Returns:
+          The copy started, or None: nothing longer to fetch, or the scheduler or backend
+          refused the copy (a copy of that prefix to `dst` already in flight, a destination
+          that is not ACTIVE, a backend without copies); nothing changed then.
+        """
+        limit = min(max_blocks, (request.input_len - 1) // request.block_size)
+        others = sorted(w for w in self.workers if w != dst)
+        if limit <= 0 or not others:
+            return None
+        held = self.prefix_index.match_blocks(request.block_hashes, limit, [dst, *others])
+        best = max(held[1:])
+        if best <= held[0]:
+            return None
+        src = others[held[1:].index(best)]
+        try:
+            return self.begin_replication(src, dst, request.block_hashes[:best],
+                                          request.block_size, now, reason="request-transfer",
+                                          request_id=request.request_id)
+        except (ValueError, NotImplementedError):
+            return None
+
     def finish_replication(self, rep: Replication, now: float, inserted: Sequence[int],
                            evicted: Sequence[int]) -> None:
         """The backend finished a copy: the destination's new blocks become visible.
@@ -150,3 +192,50 @@ class ReplicationMixin:
         if worker_id in self.workers and evicted:
             self.prefix_index.evict(worker_id, evicted)
         self.reclaim_log.append({"worker": worker_id, "blocks": len(evicted), "time": now})
+
+
+class FetchOnDispatch:
+    """A router's per-request prefix fetches, made when each request is dispatched.
+
+    A router that plans to fetch a request's prefix from another worker (Mooncake's Conductor,
+    `serving.fetch_router`) records the plan at routing time (`plan`); when the request leaves
+    its worker's queue the scheduler's dispatch hook starts the copy
+    (`Scheduler.fetch_for_request`: the longest prefix any other worker holds *then*, only
+    the blocks the worker lacks), and a backend that can holds the prefill until the copy is
+    done. So TTFT = queue + transfer + prefill, as Mooncake's Algorithm 1 estimates it, and the
+    fetched blocks are not evicted while the request waits in the queue.
+
+    Attributes:
+      started: copies started for requests.
+      skipped: planned fetches not made (nothing longer to fetch by then, the request ran
+        elsewhere, or the scheduler or backend refused the copy).
+    """
+
+    def __init__(self) -> None:
+        self.started = self.skipped = 0
+        self._plans: dict = {}  # request id -> (worker id, blocks wanted)
+        self._scheduler = None
+
+    def attach(self, scheduler) -> None:
+        """Hooks into `scheduler` (a no-op for schedulers without dispatch hooks)."""
+        if hasattr(scheduler, "dispatch_hooks") and hasattr(scheduler, "fetch_for_request"):
+            self._scheduler = scheduler
+            scheduler.dispatch_hooks.append(self._on_dispatch)
+
+    def plan(self, request, worker_id: int, blocks: int) -> None:
+        """Records that `request`, placed on `worker_id`, should have its first `blocks` blocks
+        fetched when it starts (a later plan for the same request replaces it)."""
+        if self._scheduler is not None:
+            self._plans[request.request_id] = (worker_id, blocks)
+
+    def _on_dispatch(self, request, worker_id: int, now: float) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return
+        rep = (self._scheduler.fetch_for_request(request, worker_id, plan[1], now)
+               if plan[0] == worker_id else None)
+        if rep is None:
+            self.skipped += 1
+        else:
+            self.started += 1
+

@@ -118,9 +118,6 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
             raise ValueError(f"worker ids must be unique, got {ids}")
         self.cost_model = cost_model
         self.router = router
-        bind = getattr(router, "bind", None)
-        if bind is not None:  # routers that need the cost model or the prefix index
-            bind(self)
         self.backend = backend
         self.listener = listener or (lambda record: None)
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
@@ -138,6 +135,9 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         self.submit_hooks: list[Callable[[Request, float], None]] = []
         # Called after each placement with (request, expected cached tokens, now).
         self.placement_hooks: list[Callable[[Request, int, float], None]] = []
+        # Called with (request, worker id, now) when a request leaves its worker's queue, just
+        # before the backend starts its prefill (e.g. a router fetching the prefix for it).
+        self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
         self.reconfigurations: dict[int, Reconfiguration] = {}  # by epoch, in progress
         self.reconfiguration_log: list[dict] = []  # finished ones, for reports
         self._next_worker_id = max(ids) + 1
@@ -150,6 +150,10 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         self.num_submitted = 0
         self.num_completed = 0
         self.num_failed = 0
+        bind = getattr(router, "bind", None)
+        if bind is not None:  # routers that need the cost model, the index or the hooks
+            bind(self)
+            self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -317,6 +321,9 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         worker.running_start = now
         worker.running_estimate = placement.estimate
         placement.start_time = now
+        if self.dispatch_hooks:
+            for hook in self.dispatch_hooks:
+                hook(request, worker.spec.worker_id, now)
         self.backend.start_prefill(worker.spec.worker_id, request, now)
 
     def _take_running(self, worker_id: int,

@@ -145,3 +145,18 @@ def test_a_backend_without_copies_leaves_nothing_in_flight():
     with pytest.raises(NotImplementedError):
         s.begin_replication(0, 1, DOC.block_hashes[:4], 512, 0.0)
     assert s.replications == {}
+
+
+def test_fetch_for_request_copies_the_longest_prefix_held_elsewhere():
+    s, b = setup()
+    trie = s.prefix_index
+    trie.insert(1, DOC.block_hashes[:10])
+    trie.insert(2, DOC.block_hashes[:20])  # the longest run: worker 2
+    trie.insert(0, DOC.block_hashes[:4])
+    rep = s.fetch_for_request(DOC, 0, 32, 1.5)
+    assert (rep.src, rep.dst, rep.chain, rep.start) == (2, 0, DOC.block_hashes[:20], 4)
+    assert (rep.reason, rep.request_id, b.copies) == ("request-transfer", "doc", [rep])
+    assert s.fetch_for_request(DOC, 0, 32, 1.5) is None  # that copy is in flight: refused
+    assert s.fetch_for_request(DOC, 2, 32, 1.5) is None  # worker 2 holds the longest already
+    assert s.fetch_for_request(DOC, 3, 8, 1.5).chain == DOC.block_hashes[:8]  # capped
+    assert len(s.replications) == 2

@@ -21,18 +21,20 @@ class LinearCost:
 
 
 class FakeScheduler:
-    """What the router reaches through `bind`: the cost model, the index, copies."""
+    """What the router reaches through `bind`: the cost model, the index, dispatch hooks and
+    `fetch_for_request` (records the fetch; None when told to refuse)."""
 
-    def __init__(self, refuse: bool | type = False) -> None:
+    def __init__(self, refuse: bool = False) -> None:
         self.cost_model, self.prefix_index = LinearCost(), PrefixIndex()
-        self.copies, self.refuse = [], refuse
+        self.dispatch_hooks, self.fetched, self.refuse = [], [], refuse
 
-    def begin_replication(self, src, dst, chain, block_size, now, reason, request_id=None):
-        if self.refuse is NotImplementedError:
-            raise NotImplementedError("this backend does not copy between workers")
-        if self.refuse:
-            raise ValueError("a copy of this prefix to worker 2 is already in flight")
-        self.copies.append((src, dst, tuple(chain), block_size, now, reason, request_id))
+    def fetch_for_request(self, request, dst, max_blocks, now):
+        self.fetched.append((request.request_id, dst, max_blocks, now))
+        return None if self.refuse else object()
+
+    def dispatch(self, request, worker_id, now):
+        for hook in self.dispatch_hooks:
+            hook(request, worker_id, now)
 
 
 def setup(refuse=False):
@@ -59,8 +61,9 @@ def test_fetch_plan_hand_computed_and_the_copy_started():
     assert [p[0] for p in plans] == pytest.approx([3.512, 3.584, 2.7528], abs=1e-12)
     assert [p[1:] for p in plans] == [(0, -1, 0), (12, 0, 12), (8, 0, 12)]
     assert r.choose(q, workers, [12, 0, 4], 0.0) == 2
-    assert sched.copies == [(0, 2, q.block_hashes[:12], BS, 0.0, "request-transfer", "q")]
-    assert r.transfers_started == 1
+    assert sched.fetched == []  # the fetch is made when q leaves worker 2's queue
+    sched.dispatch(q, 2, 0.7)
+    assert sched.fetched == [("q", 2, 12, 0.7)] and r.fetches.started == 1
     # The paper's router (local prefixes only) keeps q on worker 0: 3.512 < 7.668 (worker 2).
     plain = VertumnusRouter(cost_model=LinearCost())
     assert plain.costs(q, workers, [12, 0, 4], 0.0) == pytest.approx([3.512, 8.192, 7.668])
@@ -75,22 +78,40 @@ def test_without_a_cheap_fetch_it_is_the_papers_router():
     for matched in ([12, 0, 4], [12, 3, 4], [13, 0, 9]):  # cached, or more when promised
         assert slow.costs(q, workers, matched, 1.0) == pytest.approx(
             plain.costs(q, workers, matched, 1.0), abs=1e-12)
-    assert slow.choose(q, workers, [12, 0, 4], 0.0) == 0 and sched.copies == []
+    assert slow.choose(q, workers, [12, 0, 4], 0.0) == 0
+    sched.dispatch(q, 0, 0.0)
+    assert sched.fetched == [] and slow.fetches.started == slow.fetches.skipped == 0
 
 
-@pytest.mark.parametrize("refusal", [True, NotImplementedError])
-def test_a_refused_copy_keeps_the_choice_and_is_counted(refusal):
-    workers, q, sched = setup(refuse=refusal)  # a copy in flight, or a backend without copies
+def test_a_fetch_not_made_or_run_elsewhere_is_counted_as_skipped():
+    workers, q, sched = setup(refuse=True)
     r = FetchingVertumnusRouter(100_000, transfer_gb_per_s=1.0)
     r.bind(sched)
     assert r.choose(q, workers, [12, 0, 4], 0.0) == 2
-    assert (r.transfers_started, r.transfers_refused) == (0, 1)
+    sched.dispatch(q, 2, 1.0)  # the scheduler made no copy (nothing longer by then, or refused)
+    assert (r.fetches.started, r.fetches.skipped) == (0, 1)
+    sched.refuse = False
+    assert r.choose(q, workers, [12, 0, 4], 0.0) == 2
+    sched.dispatch(q, 1, 2.0)  # re-routed and started on another worker: no fetch for it
+    assert (r.fetches.started, r.fetches.skipped) == (0, 2) and len(sched.fetched) == 1
+
+
+def test_equal_costs_prefer_the_plan_that_copies_less():
+    workers, q, sched = setup()
+    workers[0].queued_seconds = workers[2].queued_seconds = 0.0
+    free = FetchingVertumnusRouter(kv_bytes_per_token=0)  # free copies: fetch == local on ties
+    free.bind(sched)
+    # Worker 0 holds 12 blocks, worker 1 could copy them for free: equal S and G, and worker
+    # 0 wins every time, whatever the rotation.
+    assert [free.choose(q, workers[:2], [12, 0], 0.0) for _ in range(4)] == [0, 0, 0, 0]
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="kv_bytes_per_token"):
-        FetchingVertumnusRouter(-1)
-    with pytest.raises(ValueError, match="transfer_gb_per_s"):
-        FetchingVertumnusRouter(1, transfer_gb_per_s=-0.5)
+    for bad in (-1, 1.9, float("inf"), True):
+        with pytest.raises(ValueError, match="kv_bytes_per_token"):
+            FetchingVertumnusRouter(bad)
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="transfer_gb_per_s"):
+            FetchingVertumnusRouter(1, transfer_gb_per_s=bad)
     with pytest.raises(ValueError, match="beta"):
         FetchingVertumnusRouter(1, beta=-1)
