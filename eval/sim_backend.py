@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from eval.local_cache import LocalPrefixCache, split_cache
 from serving.backend import PrefillResult
 from serving.checks import require_finite
+from serving.replication import copy_seconds
 from serving.request import Request
 from serving.worker import WorkerSpec
 
@@ -158,10 +159,8 @@ class SimulatedBackend:
         prefill until it is done (`start_prefill`).
         """
         rep = replication
-        block_bytes = self._config.kv_bytes_per_token * rep.block_size
-        seconds = (rep.num_blocks * block_bytes / (self._config.replication_gb_per_s * 1e9)
-                   if self._config.replication_gb_per_s > 0 else 0.0)
-        done = now + seconds
+        done = now + copy_seconds(rep.num_blocks, rep.block_size, self._config.kv_bytes_per_token,
+                                  self._config.replication_gb_per_s)
         if rep.request_id is not None:
             self._awaited[rep.request_id] = (rep.dst, done, rep)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.cost_router import VertumnusRouter
-from serving.replication import FetchOnDispatch, check_transfer_args
+from serving.replication import FetchOnDispatch, check_transfer_args, copy_seconds
 from serving.request import Request
 from serving.worker import WorkerState
 
@@ -67,9 +67,7 @@ class FetchingVertumnusRouter(VertumnusRouter):
 
     def transfer_seconds(self, blocks: int, block_size: int) -> float:
         """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
-        if self.transfer_gb_per_s == 0:
-            return 0.0
-        return blocks * block_size * self.kv_bytes_per_token / (self.transfer_gb_per_s * 1e9)
+        return copy_seconds(blocks, block_size, self.kv_bytes_per_token, self.transfer_gb_per_s)
 
     def plans(self, request: Request, candidates: Sequence[WorkerState],
               matched_blocks: Sequence[int], now: float) -> list[tuple[float, int, int, int]]:

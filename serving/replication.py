@@ -50,6 +50,16 @@ class Replication:
 REASONS = ("inter-degree", "intra-degree", "request-transfer")
 
 
+def copy_seconds(blocks: int, block_size: int, kv_bytes_per_token: int,
+                 gb_per_s: float) -> float:
+    """Seconds to copy `blocks` KV blocks of `block_size` tokens between workers:
+    `blocks * block_size * kv_bytes_per_token / (gb_per_s * 1e9)`; 0 when `gb_per_s` is 0
+    (free copies). The one formula routers price copies with and the simulator charges."""
+    if gb_per_s <= 0:
+        return 0.0
+    return blocks * block_size * kv_bytes_per_token / (gb_per_s * 1e9)
+
+
 def check_transfer_args(kv_bytes_per_token, transfer_gb_per_s) -> None:
     """Validates a router's KV-copy pricing: an integer number of bytes per token >= 0 and a
     finite bandwidth >= 0 GB/s (0 = free copies). Raises ValueError naming the field."""

@@ -123,7 +123,6 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         # Blocks promised by queued and running prefills, for routers that ask for them.
         self.pending = PendingPrefixes()
-        self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
         self._record_index: PrefixIndex | None = None  # the index `_record` belongs to
         self._record: Callable[..., None] | None = None  # its `record` (demand statistics)
         self.epoch = 0
@@ -153,7 +152,7 @@ class Scheduler(ReconfigurationMixin, ReplicationMixin):
         bind = getattr(router, "bind", None)
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
-            self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
+        self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
 
     # ----------------------------------------------------------------------------- queries
     @property

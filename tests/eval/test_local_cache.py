@@ -135,16 +135,21 @@ class _ReferenceLRU:
         self.reserved += need
         return hit, evicted
 
-    def finish(self, chain, hit, full, total):
-        self.reserved -= total - hit
+    def _put(self, chain, lo, hi):
+        """Blocks hi-1 .. lo of `chain`, last first: touched if cached, else appended."""
         inserted = []
-        for k in range(full - 1, hit - 1, -1):
+        for k in range(hi - 1, lo - 1, -1):
             if chain[k] in self.parent:
                 self._touch(chain[k])
             else:
                 self.order.append(chain[k])
                 self.parent[chain[k]] = chain[k - 1] if k else None
                 inserted.append(chain[k])
+        return inserted
+
+    def finish(self, chain, hit, full, total):
+        self.reserved -= total - hit
+        inserted = self._put(chain, hit, full)
         for h in reversed(chain[:hit]):
             if h in self.parent:
                 self._touch(h)
@@ -153,14 +158,7 @@ class _ReferenceLRU:
     def insert_chain(self, chain):
         if len(chain) > self.capacity - self.reserved:
             return [], []
-        inserted = []
-        for k in range(len(chain) - 1, -1, -1):
-            if chain[k] in self.parent:
-                self._touch(chain[k])
-            else:
-                self.order.append(chain[k])
-                self.parent[chain[k]] = chain[k - 1] if k else None
-                inserted.append(chain[k])
+        inserted = self._put(chain, 0, len(chain))
         return inserted, self._evict_lru(len(self.order) + self.reserved - self.capacity)
 
     def evict_blocks(self, hashes):

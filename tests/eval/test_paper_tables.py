@@ -34,3 +34,18 @@ def test_best_baseline_and_changes_hand_computed():
                        "440 | +10.0% | 0.995 | 0.990 | 3 -> 2, 1 | - | 380 |")
     assert rows[2] == ("| production | qwen3-30b-a3b, cp2-4 | 1.2 | 20.00 | `homogeneous-cp4` | 2000 | "
                        "1500 | -25.0% | 0.500 | 0.600 | 2 -> 2, 0 | - | - |")
+
+
+def test_fetch_table_at_the_highest_load():
+    results = [
+        _row("homogeneous-cp4", 20.0, 1.2, 2000.0, 4000.0, 0.5),
+        _row("vertumnus", 20.0, 1.2, 2500.0, 5000.0, 0.6),
+        {**_row("vertumnus-fetch", 20.0, 1.2, 1500.0, 5000.0, 0.55), "replications": 7},
+    ]
+    head = {"rate": 20.0, "baseline": "homogeneous-cp4", "mean_ttft_reduction": -0.25,
+            "p90_ttft_reduction": -0.25, "slo_gain_points": 10.0}
+    md = summary_tables({"leval/qwen3-32b/cp4-8": {"results": results, "headline": head}})
+    k = md.index("### `vertumnus-fetch` vs the strongest baseline at the highest swept load")
+    # 1500 / 2000 - 1, 5000 / 4000 - 1, 100 * (0.55 - 0.5), 1500 / 2500 - 1, 7 copies
+    assert md[k + 4] == ("| leval | qwen3-32b, {4, 8} | 20.00 | `homogeneous-cp4` | -25.0% | +25.0% "
+                         "| +5.0 | -40.0% | 7 |")
