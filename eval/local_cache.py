@@ -5,6 +5,11 @@ blocks are cached, a hit is the longest leading run of the request's block hashe
 request's blocks are touched they are touched from the last to the first, so that a prefix's
 ancestors are always more recent than its descendants and LRU eviction takes leaves first
 (SGLang's radix cache evicts LRU leaves for the same reason). Capacity is in blocks.
+
+The simulator uses `eval.run_cache.RunPrefixCache`, the same LRU kept as runs of blocks (about
+a tenth fewer instructions per simulated request); this one-entry-per-block version is the
+plain form of the semantics, accepts any hashes (not only hash chains), and the tests check
+both against each other and against a list-based reference.
 """
 
 from __future__ import annotations
@@ -245,29 +250,10 @@ class LocalPrefixCache:
         return evicted
 
     def restore_ancestor_order(self) -> None:
-        """Reorders the LRU so every cached parent is more recent than its cached children.
-
-        Merging two caches interleaves their recency orders and can leave a shared parent older
-        than a child, so LRU eviction would take a parent before its leaves. A block's recency
-        becomes the most recent of its own and its cached descendants'. O(n log n).
-        """
+        """Reorders the LRU so every cached parent is more recent than its cached children
+        (`ancestor_order`). O(n log n)."""
         lru = self._lru
-        rank = {h: float(i) for i, h in enumerate(lru)}
-        depth: dict[int, int] = {}
-        for h in lru:  # depth within the cache (walk up cached parents)
-            path, x = [], h
-            while x is not None and x in lru and x not in depth:
-                path.append(x)
-                x = lru[x]
-            d = depth.get(x, -1) if x is not None and x in lru else -1
-            for y in reversed(path):
-                d += 1
-                depth[y] = d
-        for h in sorted(lru, key=depth.__getitem__, reverse=True):  # deepest first
-            p = lru[h]
-            if p is not None and p in rank and rank[p] <= rank[h]:
-                rank[p] = rank[h] + 0.5
-        order = sorted(lru.items(), key=lambda item: rank[item[0]])
+        order = ancestor_order(list(lru.items()))
         lru.clear()
         lru.update(order)
 
@@ -291,6 +277,33 @@ class LocalPrefixCache:
         return self._evict_lru(over) if over > 0 else []
 
 
+def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """`(hash, parent hash)` items (least recently used first) reordered so that every parent
+    in `items` is more recent than its children; otherwise as little as possible changes.
+
+    Merging two caches interleaves their recency orders and can leave a shared parent older
+    than a child, so LRU eviction would take a parent before its leaves. A block's recency
+    becomes the most recent of its own and its descendants' in `items`. O(n log n).
+    """
+    parent_of = dict(items)
+    rank = {h: float(i) for i, (h, _) in enumerate(items)}
+    depth: dict[int, int] = {}
+    for h in parent_of:  # depth within the items (walk up parents present)
+        path, x = [], h
+        while x is not None and x in parent_of and x not in depth:
+            path.append(x)
+            x = parent_of[x]
+        d = depth.get(x, -1) if x is not None and x in parent_of else -1
+        for y in reversed(path):
+            d += 1
+            depth[y] = d
+    for h in sorted(parent_of, key=depth.__getitem__, reverse=True):  # deepest first
+        p = parent_of[h]
+        if p is not None and p in rank and rank[p] <= rank[h]:
+            rank[p] = rank[h] + 0.5
+    return sorted(parent_of.items(), key=lambda item: rank[item[0]])
+
+
 def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPrefixCache, LocalPrefixCache]:
     """The caches of the two halves of a split worker (paper section 6, cache coordination).
 
@@ -305,7 +318,7 @@ def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPre
     """
     if cache._reserved:
         raise ValueError("cannot split a cache while a prefill holds reserved blocks")
-    halves = (LocalPrefixCache(capacity_blocks), LocalPrefixCache(capacity_blocks))
+    halves = (type(cache)(capacity_blocks), type(cache)(capacity_blocks))
     side: dict[int, int] = {}
     picked: tuple[list, list] = ([], [])
     for h, parent in reversed(cache.blocks()):

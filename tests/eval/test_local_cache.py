@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from eval.local_cache import LocalPrefixCache
+from eval.run_cache import RunPrefixCache
 from serving.request import chain_block_hashes
 
 
-def test_hit_insert_and_leaf_first_eviction():
-    cache = LocalPrefixCache(capacity_blocks=6)
+@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
+def test_hit_insert_and_leaf_first_eviction(cache_class):
+    cache = cache_class(capacity_blocks=6)
     a = chain_block_hashes([1, 2, 3, 4])
     hit, ev = cache.begin(a, max_blocks=3, total_blocks=4)
     assert (hit, ev) == (0, [])
@@ -30,8 +32,9 @@ def test_hit_insert_and_leaf_first_eviction():
     assert a[0] in cache and a[1] in cache and b[2] in cache
 
 
-def test_request_larger_than_cache_rejected_without_change():
-    cache = LocalPrefixCache(2)
+@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
+def test_request_larger_than_cache_rejected_without_change(cache_class):
+    cache = cache_class(2)
     a = chain_block_hashes([1, 2])
     cache.begin(a, 1, 2)
     cache.finish(a, 0, 2, 2)
@@ -39,7 +42,7 @@ def test_request_larger_than_cache_rejected_without_change():
         cache.begin(chain_block_hashes([1, 2, 3]), 2, 3)
     assert len(cache) == 2 and cache.free_blocks == 0
     with pytest.raises(ValueError, match="capacity_blocks"):
-        LocalPrefixCache(0)
+        cache_class(0)
 
 
 def test_child_counts_and_capacity_hold_under_random_operations():
@@ -82,8 +85,9 @@ def test_child_counts_and_capacity_hold_under_random_operations():
         check(half)
 
 
-def test_merged_caches_keep_parents_more_recent_than_children():
-    a, b = LocalPrefixCache(10), LocalPrefixCache(10)
+@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
+def test_merged_caches_keep_parents_more_recent_than_children(cache_class):
+    a, b = cache_class(10), cache_class(10)
     shared = chain_block_hashes([1, 2])
     x = chain_block_hashes([3], shared[-1])
     y = chain_block_hashes([4, 5], shared[-1])
@@ -91,7 +95,7 @@ def test_merged_caches_keep_parents_more_recent_than_children():
     a.insert_chain(chain_block_hashes([9]))
     b.insert_chain(shared + x)
     b.insert_chain(shared + y)          # b: two children of the shared prefix
-    merged = LocalPrefixCache(20)
+    merged = cache_class(20)
     for c in (a, b):  # a's older copy of the shared prefix goes in first
         merged.adopt(c.blocks())
     merged.restore_ancestor_order()
@@ -182,7 +186,8 @@ class _ReferenceLRU:
         return [(h, self.parent[h]) for h in self.order]
 
 
-def test_matches_a_plain_reference_under_random_operations():
+@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
+def test_matches_a_plain_reference_under_random_operations(cache_class):
     """Every result and the full recency order agree with `_ReferenceLRU` after each step of
     seeded random prefills, with copies, evictions and reclaims also while a prefill runs."""
     import numpy as np
@@ -192,7 +197,7 @@ def test_matches_a_plain_reference_under_random_operations():
     chains = roots + [chain_block_hashes(list(range(900 + 7 * k, 904 + 7 * k)), roots[k % 5][3])
                       for k in range(5)]  # branches off the roots' fourth block
     for capacity in (6, 12, 25):
-        cache, ref = LocalPrefixCache(capacity), _ReferenceLRU(capacity)
+        cache, ref = cache_class(capacity), _ReferenceLRU(capacity)
         running = None  # (chain, hit, full blocks, total blocks) of the prefill in progress
         for step in range(800):
             op = int(rng.integers(6))
