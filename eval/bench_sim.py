@@ -143,7 +143,8 @@ def run() -> None:
     check_output_path(_OUT.value)
     if not os.path.isfile(_TRACE.value):
         sys.exit(f"error: trace {_TRACE.value} not found; pass --trace=PATH to the Mooncake "
-                 "conversation trace (kvcache-ai/Mooncake, FAST25-release/traces/)")
+                 "conversation trace (kvcache-ai/Mooncake, FAST25-release/traces/), or set "
+                 "VERTUMNUS_TRACES_DIR to the folder holding mooncake/conversation_trace.jsonl")
     cfg = ReplayConfig(num_gpus=40, systems=tuple(names))
     by_par = run_parallel_degrees(cfg)  # unknown systems fail here, before any timing
     cp_degrees = by_par.get("cp") or by_par.get("tp", set())
@@ -182,15 +183,15 @@ def run() -> None:
         print(f"| {r['system']} | {r['requests']} | {r['request_rate']:.2f} | "
               f"{r['wall_s_median']:.3f} | {r['simulated_requests_per_s']:,.0f} | "
               f"{r['simulated_requests_per_s_best']:,.0f} | {first} |")
-    for r in rows:
-        if r["system"] == "vertumnus":
-            print(verdict(r, _TRACE.value, _LOAD.value))
+    verdicts = [verdict(r, _TRACE.value, _LOAD.value) for r in rows if r["system"] == "vertumnus"]
+    for line in verdicts:
+        print(line)
     with open(_OUT.value, "w") as f:
         json.dump({"trace": _TRACE.value, "load_factor": _LOAD.value, "repeats": _REPEATS.value,
                    "warmup_rounds": _WARMUP.value,
                    "python": platform.python_version(), "machine": platform.machine(),
                    "cpu_count": os.cpu_count(), "target_requests_per_s": TARGET_REQ_PER_S,
-                   "results": rows}, f, indent=1)
+                   "verdict": verdicts[0] if verdicts else None, "results": rows}, f, indent=1)
     print(f"wrote {_OUT.value}")
 
 

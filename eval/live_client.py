@@ -117,6 +117,18 @@ def pool_changes(url: str, headers: dict | None = None) -> tuple[int, int, list[
             info["composition"])
 
 
+def compiled_executables(url: str, headers: dict | None = None) -> int:
+    """Prefill executables the server's workers have compiled so far (`url/v1/workers`; 0 for
+    a server that does not report them).
+
+    Raises:
+      httpx.HTTPError: the server did not answer, or answered with an error status.
+    """
+    r = httpx.get(f"{url}/v1/workers", headers=headers, timeout=10.0)
+    r.raise_for_status()
+    return sum(int(w.get("prefill_executables", 0)) for w in r.json()["workers"])
+
+
 @contextlib.contextmanager
 def launched_server(server_flags: str, url: str, headers: dict | None = None,
                     timeout: float = 300.0):

@@ -10,8 +10,11 @@ measured at the client (send to response). The JSON and the table are `eval.repl
 (`eval.metrics.summarize` keys, `eval.report.markdown_table`), plus the server's composition
 changes from `GET /v1/workers`. Before the measured run, unmeasured warm-up rounds of the
 built-in workload (`--warmup_duration` each, a new seed per round) repeat until no split or
-merge has started or finished for `--settle_quiet_s` of warm-up (at most `--warmup_rounds`), so
-the measurement sees the pool the load settles it to, with its prefill executables compiled;
+merge has started or finished and no prefill executable was compiled for `--settle_quiet_s` of
+warm-up (at most `--warmup_rounds`; `prefill_executables` of `GET /v1/workers`), so the
+measurement sees the pool the load settles it to, with its prefill executables compiled (on a
+machine whose compilation cache is empty, a compilation in the measured window stalls its
+worker for seconds);
 the splits and merges of the warm-up and of the measured run are reported apart.
 
 With `--launch_server` the binary `python -m serving.main` is started as a child process with
@@ -34,7 +37,7 @@ import httpx
 from absl import app, flags
 
 from eval import report
-from eval.live_client import launched_server, pool_changes, replay, workload
+from eval.live_client import compiled_executables, launched_server, pool_changes, replay, workload
 from eval.live_prompts import PromptScale, scaled_requests
 from eval.metrics import summarize
 
@@ -71,10 +74,12 @@ _WARMUP = flags.DEFINE_float("warmup_duration", 20.0, "Seconds of one unmeasured
                              lower_bound=0.0)
 _WARMUP_ROUNDS = flags.DEFINE_integer(
     "warmup_rounds", 6, "Repeat warm-up rounds until no split or merge has started or finished "
-    "for --settle_quiet_s of warm-up, at most this many rounds: the measured run then sees the "
-    "pool the load settles it to, with its executables compiled.", lower_bound=1)
+    "and no prefill executable was compiled for --settle_quiet_s of warm-up, at most this many "
+    "rounds: the measured run then sees the pool the load settles it to, with its executables "
+    "compiled.", lower_bound=1)
 _SETTLE_QUIET = flags.DEFINE_float(
-    "settle_quiet_s", 20.0, "Warm-up time with no split or merge after which the pool counts as "
+    "settle_quiet_s", 20.0, "Warm-up time with no split, merge or compilation after which the "
+    "pool counts as "
     "settled (seconds; at least the server controller's hold_s + cooldown_s, 10 + 10 by "
     "default, or a slow controller is taken for a settled one).", lower_bound=0.0)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
@@ -109,22 +114,27 @@ def main(argv):
         scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
                             int(info["max_model_len"]))
         pairs = scaled_requests(reqs, scale, int(info["block_size"]))
-        quiet = 0.0  # warm-up seconds since a split or merge was last seen
+        quiet = 0.0  # warm-up seconds since a split, a merge or a compilation was last seen
         for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
             warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
                                _TRACE_BLOCK.value)
             before = pool_changes(url, headers)
+            compiled = compiled_executables(url, headers)
             asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
                                _API_KEY.value, _TIMEOUT.value))
             after = pool_changes(url, headers)
-            quiet = quiet + _WARMUP.value if after[:2] == (before[0], 0) and not before[1] else 0.0
+            new_executables = compiled_executables(url, headers) - compiled
+            settled = after[:2] == (before[0], 0) and not before[1] and new_executables <= 0
+            quiet = quiet + _WARMUP.value if settled else 0.0
             print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
-                  f"measured), composition {after[2]}")
+                  f"measured), composition {after[2]}, {max(new_executables, 0)} prefill "
+                  "executables compiled")
             if quiet >= _SETTLE_QUIET.value and quiet > 0:
                 break  # no split or merge for long enough: settled
         else:
             if _WARMUP.value > 0:
-                print(f"the pool was still changing after {_WARMUP_ROUNDS.value} warm-up rounds")
+                print(f"the pool was still changing (or compiling) after {_WARMUP_ROUNDS.value} "
+                      "warm-up rounds")
         warmup_changes = pool_changes(url, headers)[0]
         print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
               f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")

@@ -370,16 +370,23 @@ class Engine:
         return freed
 
     def workers(self) -> list[dict]:
-        """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use."""
+        """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use,
+        and the prefill executables compiled for its devices so far (one per padded length and
+        cached-prefix bucket; a new one compiles on first use, seconds on a CPU)."""
         out = []
         for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
             live = self.backend.workers.get(w.worker_id)
             cached = len(live.cache) if live is not None else 0
+            compiled = 0
+            if live is not None:  # list(): a prefill thread may add one meanwhile
+                devices = live.device_ids
+                compiled = sum(1 for key in list(live.executables) if key[0] == devices)
             out.append({
                 "worker_id": w.worker_id, "cp_degree": w.cp_degree,
                 "first_device": w.spec.first_device, "epoch": w.epoch,
                 "status": w.status.name.lower(), "queued_requests": len(w.queue),
                 "running": w.running is not None,
                 "outstanding_seconds": w.queued_seconds + w.running_estimate,
-                "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks})
+                "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks,
+                "prefill_executables": compiled})
         return out

@@ -104,6 +104,7 @@ def test_cli_table_and_json_agree(tmp_path):
             "200", f"{r['request_rate']:.2f}", f"{median:.3f}", f"{200 / median:,.0f}",
             f"{200 / best:,.0f}", f"{200 / r['wall_s_warmup'][0]:,.0f}"]
     assert "no verdict: the 20,000 simulated req/s target" in stdout  # not the target trace
+    assert report["verdict"].startswith("no verdict") and report["verdict"] in stdout
 
 
 def test_cli_without_warmup_and_rate_independent_of_the_systems(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from eval.live_prompts import PromptScale, scaled_requests
-from eval.live_client import pool_changes, replay, wait_healthy, workload
+from eval.live_client import compiled_executables, pool_changes, replay, wait_healthy, workload
 from eval.metrics import summarize
 from tests.serving.api_fixtures import make_client
 
@@ -77,3 +77,18 @@ def test_pool_changes_counts_splits_and_merges(server_url):
         time.sleep(0.05)
     assert pool_changes(url) == (1, 0, [2, 2, 2, 2])
     assert len(engine.scheduler.reconfiguration_log) == 1
+
+
+def test_compiled_executables_counts_each_workers_new_buckets(server_url):
+    url, engine = server_url
+    assert compiled_executables(url) == 0
+    reqs, _ = workload("", "auto", duration=3.0, rate=0.0, seed=2, trace_block_size=512)
+    pairs = scaled_requests(reqs, PromptScale(16, 256, max_len=1024), 16)
+    records, _ = asyncio.run(replay(url, pairs))
+    assert all(r.ok for r in records)
+    # Independently: the (worker, bucket of uncached tokens) pairs the fake backend compiled.
+    expected = sum(len(w.executables) for w in engine.backend.workers.values())
+    assert expected >= 2 and compiled_executables(url) == expected
+    per_worker = {w["worker_id"]: w["prefill_executables"]
+                  for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
+    assert per_worker == {i: len(w.executables) for i, w in engine.backend.workers.items()}

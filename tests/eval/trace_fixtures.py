@@ -27,8 +27,9 @@ LV_HEAD = "task,doc_id,doc_tokens,instr_tokens,input_tokens,ref_output_tokens\n"
 def need(path: pathlib.Path) -> None:
     """Skips the calling test when the shared trace `path` is absent."""
     if not path.exists():
-        pytest.skip(f"shared trace {path} not present (get it from the Mooncake / Azure public "
-                    f"repositories, see ../shared/traces/README.md)")
+        pytest.skip(f"shared trace {path} not present: set VERTUMNUS_TRACES_DIR to the folder "
+                    f"holding the public traces (mooncake/, azure2023/, leval/; their sources "
+                    f"are listed in that folder's README.md), default ../shared/traces")
 
 
 def common_prefix(a, b) -> int:

@@ -2,7 +2,9 @@
 
 Each prefill takes `seconds` on a timer thread and reports through `post`, like
 `serving.live_backend.LiveBackend`; the first token is `sum(token_ids) % vocab_size`; the cache
-of a worker is the set of block hashes it has prefilled, matched as a leading run.
+of a worker is the set of block hashes it has prefilled, matched as a leading run. Like a
+`vertumnus_jax.Worker`, each worker counts "executables" keyed by its devices and the uncached
+token count's power-of-two bucket (a new bucket is a new compilation on the real backend).
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ class FakeBackend:
         self._post, self._clock = post, clock
         self.seconds, self.vocab_size, self.fail_token = seconds, vocab_size, fail_token
         self.scheduler = None
-        self.workers = {w: types.SimpleNamespace(cache=set()) for w in worker_ids}
+        self.workers = {w: self._worker(w) for w in worker_ids}
         self.prefills: dict = {}
         self.started: list = []
         self._timers: list[threading.Timer] = []
+
+    @staticmethod
+    def _worker(worker_id, cache=()):
+        return types.SimpleNamespace(cache=set(cache), device_ids=(worker_id,), executables={})
 
     def _later(self, fn):
         t = threading.Timer(self.seconds, lambda: self._post(fn))
@@ -38,6 +44,9 @@ class FakeBackend:
                 break
             hit += 1
         tokens = list(request.token_ids)
+        worker = self.workers[worker_id]
+        bucket = max(1, len(tokens) - hit * request.block_size - 1).bit_length()
+        worker.executables.setdefault((worker.device_ids, bucket), None)
 
         def done():
             if self.fail_token is not None and self.fail_token in tokens:
@@ -57,7 +66,7 @@ class FakeBackend:
 
         def done():
             for s in rec.new_specs:
-                self.workers[s.worker_id] = types.SimpleNamespace(cache=set(merged))
+                self.workers[s.worker_id] = self._worker(s.worker_id, merged)
             self.scheduler.finish_reconfiguration(
                 rec.epoch, self._clock(), {s.worker_id: list(merged) for s in rec.new_specs})
 
