@@ -12,9 +12,10 @@ changes from `GET /v1/workers`. Before the measured run, unmeasured warm-up roun
 built-in workload (`--warmup_duration` each, a new seed per round) repeat until no split or
 merge has started or finished and no prefill executable was compiled for `--settle_quiet_s` of
 warm-up (at most `--warmup_rounds`; `prefill_executables` of `GET /v1/workers`), so the
-measurement sees the pool the load settles it to, with its prefill executables compiled (on a
-machine whose compilation cache is empty, a compilation in the measured window stalls its
-worker for seconds);
+measurement sees the pool the load settles it to, with the prefill executables the warm-up met
+compiled (on a machine whose compilation cache is empty, a shape first met in the measured
+window still compiles there and stalls its worker for seconds: the result JSON counts them,
+`measured_executables_created`);
 the splits and merges of the warm-up and of the measured run are reported apart.
 
 With `--launch_server` the binary `python -m serving.main` is started as a child process with
@@ -75,8 +76,8 @@ _WARMUP = flags.DEFINE_float("warmup_duration", 20.0, "Seconds of one unmeasured
 _WARMUP_ROUNDS = flags.DEFINE_integer(
     "warmup_rounds", 6, "Repeat warm-up rounds until no split or merge has started or finished "
     "and no prefill executable was compiled for --settle_quiet_s of warm-up, at most this many "
-    "rounds: the measured run then sees the pool the load settles it to, with its executables "
-    "compiled.", lower_bound=1)
+    "rounds: the measured run then sees the pool the load settles it to, with the executables "
+    "the warm-up met compiled.", lower_bound=1)
 _SETTLE_QUIET = flags.DEFINE_float(
     "settle_quiet_s", 20.0, "Warm-up time with no split, merge or compilation after which the "
     "pool counts as "
@@ -124,11 +125,13 @@ def main(argv):
                                _API_KEY.value, _TIMEOUT.value))
             after = pool_changes(url, headers)
             new_executables = compiled_executables(url, headers) - compiled
-            settled = after[:2] == (before[0], 0) and not before[1] and new_executables <= 0
+            same_pool = after[:2] == (before[0], 0) and not before[1]
+            settled = same_pool and new_executables <= 0
             quiet = quiet + _WARMUP.value if settled else 0.0
+            # (a split or merge replaces workers, whose counts start again: no count then)
+            created = f"{new_executables}" if same_pool else "n/a (the pool changed)"
             print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
-                  f"measured), composition {after[2]}, {max(new_executables, 0)} prefill "
-                  "executables compiled")
+                  f"measured), composition {after[2]}, prefill executables created: {created}")
             if quiet >= _SETTLE_QUIET.value and quiet > 0:
                 break  # no split or merge for long enough: settled
         else:
@@ -138,11 +141,17 @@ def main(argv):
         warmup_changes = pool_changes(url, headers)[0]
         print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
               f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
+        compiled = compiled_executables(url, headers)
         records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
+        measured_compiled = compiled_executables(url, headers) - compiled
     result = summarize(records)
     result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
         reqs[-1].arrival_time, 1e-9), composition=state["composition"],
         warmup_reconfigurations=state["reconfigurations"][:warmup_changes],
+        # executables the measured window had to create (each one stalled its worker on a
+        # cold compilation cache); None when a split or merge changed the workers meanwhile
+        measured_executables_created=(measured_compiled if len(state["reconfigurations"]) ==
+                                      warmup_changes else None),
         reconfigurations=state["reconfigurations"][warmup_changes:],
         max_send_lag_s=state["max_send_lag_s"],
         mean_server_ttft_ms=1e3 * sum(state["server_ttft_s"].values()) / max(
@@ -161,6 +170,11 @@ def main(argv):
             print(f"  epoch {r['epoch']}: {r['kind']} {r['old']} -> {r['new']} ({r['origin']}) "
                   f"at {r['finished']:.1f} s (drained in {r['drained'] - r['started']:.2f} s) "
                   f"-> {r['composition']}")
+    created = result["measured_executables_created"]
+    print("prefill executables created during the measured run: " + (
+        "n/a (the pool changed)" if created is None else f"{created}" + (
+            " (each compiled while requests waited, unless the compilation cache had it)"
+            if created else "")))
     if result["failed"]:
         print(f"warning: {result['failed']} requests failed: {result['failure_reasons']}")
     print(f"results in {path}")

@@ -126,7 +126,8 @@ class Engine:
     Args:
       config: `EngineConfig`.
       make_backend: `(post, clock) -> LiveBackend` (or any `Backend` exposing `workers`,
-        `prefills` and `shutdown`); called by `start()`.
+        `prefills` and `shutdown`, whose workers have `cache`, `retired`, `device_ids` and
+        `executables` as `vertumnus_jax.Worker`); called by `start()`.
       workers: the initial `WorkerSpec`s (their ids and devices match the backend's pool).
       cost_model: the router's prefill-time estimate (`PrefillCostModel`).
       num_devices: devices of the pool (the controller's capacity).
@@ -371,11 +372,14 @@ class Engine:
 
     def workers(self) -> list[dict]:
         """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use,
-        and the prefill executables compiled for its devices so far (one per padded length and
-        cached-prefix bucket; a new one compiles on first use, seconds on a CPU)."""
+        and the prefill executables created for its devices so far (one per padded length and
+        cached-prefix bucket; a new one compiles on first use, seconds on a CPU, or loads from
+        the persistent compilation cache)."""
         out = []
         for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
             live = self.backend.workers.get(w.worker_id)
+            if live is not None and live.retired is not None:
+                live = None  # re-carved on the recarve thread, replaced when `finish` runs
             cached = len(live.cache) if live is not None else 0
             compiled = 0
             if live is not None:  # list(): a prefill thread may add one meanwhile

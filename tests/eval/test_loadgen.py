@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +18,8 @@ from eval.live_prompts import PromptScale, scaled_requests
 from eval.live_client import compiled_executables, pool_changes, replay, wait_healthy, workload
 from eval.metrics import summarize
 from tests.serving.api_fixtures import make_client
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -86,9 +92,50 @@ def test_compiled_executables_counts_each_workers_new_buckets(server_url):
     pairs = scaled_requests(reqs, PromptScale(16, 256, max_len=1024), 16)
     records, _ = asyncio.run(replay(url, pairs))
     assert all(r.ok for r in records)
-    # Independently: the (worker, bucket of uncached tokens) pairs the fake backend compiled.
-    expected = sum(len(w.executables) for w in engine.backend.workers.values())
-    assert expected >= 2 and compiled_executables(url) == expected
-    per_worker = {w["worker_id"]: w["prefill_executables"]
-                  for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
-    assert per_worker == {i: len(w.executables) for i, w in engine.backend.workers.items()}
+    engine.backend.workers[0].executables[((0,), 99)] = None  # worker 0 compiled one more
+    # The fake backend's (worker devices, bucket) keys: what each worker has compiled.
+    own = {i: len(w.executables) for i, w in engine.backend.workers.items()}
+    assert sum(own.values()) >= 2 and compiled_executables(url) == sum(own.values())
+
+    def per_worker():
+        return {w["worker_id"]: w["prefill_executables"]
+                for w in httpx.get(f"{url}/v1/workers", timeout=10).json()["workers"]}
+
+    assert per_worker() == own
+    # A split's halves share the old worker's dict (as vertumnus_jax.recarve does): its keys
+    # name the old devices, so the halves have compiled nothing yet.
+    r = httpx.post(f"{url}/v1/workers/split", json={"worker_id": 0},
+                   headers={"Authorization": "Bearer admin"}, timeout=10)
+    assert r.status_code == 200, r.text
+    end = time.monotonic() + 30
+    while pool_changes(url)[0] < 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    halves = [i for i in engine.backend.workers if i not in own]
+    assert len(halves) == 2 and engine.backend.workers[halves[0]].executables
+    assert per_worker() == {**{i: n for i, n in own.items() if i != 0}, **dict.fromkeys(halves, 0)}
+    # A worker retired by a re-carve but not yet replaced reports nothing (and no error).
+    engine.backend.workers[halves[0]].retired = "merge"
+    r = httpx.get(f"{url}/v1/workers", timeout=10)
+    assert r.status_code == 200
+    row = next(w for w in r.json()["workers"] if w["worker_id"] == halves[0])
+    assert row["prefill_executables"] == 0 and row["kv_blocks_cached"] == 0
+
+
+def test_cli_warms_up_until_quiet_and_reports_measured_compilations(server_url, tmp_path):
+    url, engine = server_url
+    cmd = [sys.executable, "-m", "eval.loadgen", f"--url={url}", "--duration=3",
+           "--warmup_duration=2", "--warmup_rounds=4", "--settle_quiet_s=2",
+           f"--output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith("warm-up ")]
+    # Settled at the first round that created no executable in an unchanged pool, else ran
+    # every round ("n/a": a split or merge changed the pool in that round).
+    created = [line.rsplit(": ", 1)[1] for line in rounds]
+    assert (created[-1] == "0" and "0" not in created[:-1]) or len(created) == 4, created
+    (path,) = tmp_path.glob("*__live.json")
+    result = json.loads(path.read_text())
+    assert result["completed"] > 0 and result["failed"] == 0
+    assert result["measured_executables_created"] >= 0
+    assert (f"prefill executables created during the measured run: "
+            f"{result['measured_executables_created']}") in proc.stdout

@@ -27,8 +27,9 @@ class FakeBackend:
         self._timers: list[threading.Timer] = []
 
     @staticmethod
-    def _worker(worker_id, cache=()):
-        return types.SimpleNamespace(cache=set(cache), device_ids=(worker_id,), executables={})
+    def _worker(worker_id, cache=(), executables=None):
+        return types.SimpleNamespace(cache=set(cache), device_ids=(worker_id,), retired=None,
+                                     executables={} if executables is None else executables)
 
     def _later(self, fn):
         t = threading.Timer(self.seconds, lambda: self._post(fn))
@@ -62,11 +63,13 @@ class FakeBackend:
         self._later(done)
 
     def recarve(self, rec, now):
-        merged = set().union(*(self.workers.pop(w).cache for w in rec.old_ids))
+        olds = [self.workers.pop(w) for w in rec.old_ids]
+        merged = set().union(*(w.cache for w in olds))
+        shared = olds[0].executables  # the new workers share the first old one's (as _carve)
 
         def done():
             for s in rec.new_specs:
-                self.workers[s.worker_id] = self._worker(s.worker_id, merged)
+                self.workers[s.worker_id] = self._worker(s.worker_id, merged, shared)
             self.scheduler.finish_reconfiguration(
                 rec.epoch, self._clock(), {s.worker_id: list(merged) for s in rec.new_specs})
 
