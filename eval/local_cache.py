@@ -284,6 +284,9 @@ def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, i
     Merging two caches interleaves their recency orders and can leave a shared parent older
     than a child, so LRU eviction would take a parent before its leaves. A block's recency
     becomes the most recent of its own and its descendants' in `items`. O(n log n).
+
+    Raises:
+      ValueError: the parent links form a cycle.
     """
     parent_of = dict(items)
     rank = {h: float(i) for i, (h, _) in enumerate(items)}
@@ -293,6 +296,9 @@ def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, i
         while x is not None and x in parent_of and x not in depth:
             path.append(x)
             x = parent_of[x]
+            if len(path) > len(parent_of):
+                raise ValueError(f"the parent links of the cached blocks form a cycle (through "
+                                 f"block {x}); they must form a forest (hash chains)")
         d = depth.get(x, -1) if x is not None and x in parent_of else -1
         for y in reversed(path):
             d += 1
@@ -304,8 +310,9 @@ def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, i
     return sorted(parent_of.items(), key=lambda item: rank[item[0]])
 
 
-def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPrefixCache, LocalPrefixCache]:
-    """The caches of the two halves of a split worker (paper section 6, cache coordination).
+def split_cache(cache, capacity_blocks: int) -> tuple:
+    """The caches of the two halves of a split worker (paper section 6, cache coordination):
+    two caches of the type of `cache` (`LocalPrefixCache` or `eval.run_cache.RunPrefixCache`).
 
     Each retained prefix is assigned to one half and the other half drops it: walking blocks from
     the most to the least recent (ancestors are always more recent than their descendants), a

@@ -13,12 +13,14 @@ it is not the last of its run or when another run hangs off it.
 
 Precondition: block hashes are hash chains (`serving.request.chain_block_hashes`): a block's
 hash names its whole prefix, so it determines its parent, and no chain repeats a hash.
-`LocalPrefixCache` needs neither; here a violation raises `ValueError` before anything changes.
+`LocalPrefixCache` needs neither. Here `begin`, `finish`, `insert_chain` and `reclaim_suffix`
+raise `ValueError` before changing anything when a chain they are given contradicts the cached
+blocks or repeats a hash; `adopt` takes its `(hash, parent)` pairs as given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set as AbstractSet
 
 from eval.local_cache import ancestor_order
 
@@ -114,7 +116,8 @@ class RunPrefixCache:
         """
         cached, heads = self._blocks, self._heads
         cuts: list[tuple[_Run, int]] = []  # (run, j): its first j blocks move
-        cut_ids: list[int] = []
+        cut_ids: set[int] = set()
+        bulk = gap = False  # tried inserting the rest at once; met a missing block before it
         missing: list[tuple[int, int]] = []  # [a, b) positions to insert
         segments: list[tuple[int, int]] = []  # [a, b) positions that end up as one run
         start, k = -1, 0
@@ -126,7 +129,7 @@ class RunPrefixCache:
                 run = heads.get(h)
                 if run is None or run.parent != (chain[k - 1] if k else None) or run.rid in cut_ids:
                     raise _not_a_chain(f"block {h} at position {k}")
-                cut_ids.append(run.rid)
+                cut_ids.add(run.rid)
                 blocks = run.blocks
                 span = min(len(blocks), m - k)
                 if blocks[:span] == chain[k:k + span]:
@@ -143,14 +146,16 @@ class RunPrefixCache:
                 if start < 0:
                     start = k
                 a = k
-                if cached.isdisjoint(chain[k:m]):  # the usual case: all the rest is new
+                if not bulk and cached.isdisjoint(chain[k:m]):  # usual: all the rest is new
                     k = m
                 else:
+                    bulk = True
                     k += 1
                     while k < m and chain[k] not in cached:
                         k += 1
                 missing.append((a, k))
             else:  # a gap (evicted since the prefill began): the run of cached blocks ends
+                gap = True
                 if start >= 0:
                     segments.append((start, k))
                     start = -1
@@ -160,6 +165,8 @@ class RunPrefixCache:
         inserted: list[int] = []
         for a, b in missing:
             inserted.extend(chain[a:b])
+        if gap and inserted and len(set(chain[:m])) != m:  # a missing hash repeated at a gap
+            raise _not_a_chain("a hash repeats")
         if inserted:
             n = len(cached)
             cached.update(inserted)
@@ -226,7 +233,7 @@ class RunPrefixCache:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._blocks
 
-    def block_view(self) -> set[int]:
+    def block_view(self) -> AbstractSet[int]:
         """The cached block hashes as a live set (for `PrefixIndex.share_blocks`; read it, do
         not change it): it follows every later insertion and eviction."""
         return self._blocks
@@ -296,7 +303,7 @@ class RunPrefixCache:
                 self._move_to_end(run)
                 self._reserved -= total_blocks - hit_blocks
                 return list(new[::-1])
-        inserted = self._touch_chain(block_hashes, full_blocks, hit_blocks)
+        inserted = self._touch_chain(block_hashes, max(full_blocks, hit_blocks), hit_blocks)
         self._reserved -= total_blocks - hit_blocks
         return inserted
 
@@ -323,9 +330,15 @@ class RunPrefixCache:
 
     def reclaim_suffix(self, chain: Sequence[int]) -> list[int]:
         """Drops the cached tail of `chain` that no other cached prefix depends on; as
-        `LocalPrefixCache.reclaim_suffix` (the evicted hashes, deepest first)."""
+        `LocalPrefixCache.reclaim_suffix` (the evicted hashes, deepest first).
+
+        Raises:
+          ValueError: `chain` contradicts the cached blocks (nothing changed).
+        """
         chain = tuple(chain)
-        cached, heads, branches, evicted = self._blocks, self._heads, self._branches, []
+        cached, heads, branches = self._blocks, self._heads, self._branches
+        plan: list[tuple[_Run, int]] = []  # (run, t): keep its first t + 1 blocks (-1: none)
+        dropped_parent = None  # the parent of the run the plan drops last (one branch fewer)
         i = len(chain) - 1
         while i >= 0 and chain[i] in cached:
             j = i  # the run holding block i starts at the last run head at or before it
@@ -335,20 +348,29 @@ class RunPrefixCache:
                     raise _not_a_chain(f"block {chain[i]} at position {i}")
             run = heads[chain[j]]
             blocks, o = run.blocks, i - j
-            if o >= len(blocks) or blocks[o] != chain[i]:
+            if (o >= len(blocks) or blocks[:o + 1] != chain[j:i + 1]
+                    or run.parent != (chain[j - 1] if j else None)):
                 raise _not_a_chain(f"block {chain[i]} at position {i}")
-            if o != len(blocks) - 1 or chain[i] in branches:
+            others = branches.get(chain[i], 0) - (chain[i] == dropped_parent)
+            if o != len(blocks) - 1 or others > 0:
                 break  # a cached child: the next block of its run, or another run
-            t = o  # drop leaves from the run's end while they have no other run hanging off
-            while t >= 0 and (t == o or blocks[t] not in branches):
-                evicted.append(blocks[t])
+            t = o - 1  # drop leaves from the run's end while they have no other run hanging off
+            while t >= 0 and blocks[t] not in branches:
                 t -= 1
+            plan.append((run, t))
+            if t >= 0:
+                break
+            dropped_parent = run.parent
+            i = j - 1  # the run's parent, if cached, is the last block of another run
+        evicted: list[int] = []
+        for run, t in plan:
+            blocks = run.blocks
+            evicted.extend(reversed(blocks[t + 1:]))
             cached.difference_update(blocks[t + 1:])
             if t >= 0:
                 run.blocks = blocks[:t + 1]
-                break
-            self._drop_run(run)
-            i = j - 1  # the run's parent, if cached, is the last block of another run
+            else:
+                self._drop_run(run)
         return evicted
 
     def restore_ancestor_order(self) -> None:

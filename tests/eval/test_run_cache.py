@@ -113,3 +113,41 @@ def test_not_a_hash_chain_is_refused_and_nothing_changes():
         cache.finish(a + (55, 55), hit, 5, 5)
     assert cache.blocks() == before and cache.free_blocks == 10 - 3 - 2  # still reserved
     _check_structure(cache)
+
+
+def test_edge_cases_found_in_review():
+    # finish with fewer full blocks than the hit: the hit is touched, as LocalPrefixCache does
+    caches = [RunPrefixCache(4), LocalPrefixCache(4)]
+    for c in caches:
+        c.insert_chain((1, 2))
+        c.insert_chain((5,))
+        hit, _ = c.begin((1, 2), 2, 2)
+        c.insert_chain((5,))
+        assert c.finish((1, 2), hit, 1, 2) == []
+    assert caches[0].blocks() == caches[1].blocks()
+    # a reclaim whose chain contradicts the runs fails before evicting anything
+    c = RunPrefixCache(5)
+    ch = chain_block_hashes([1, 2, 3])
+    c.insert_chain(ch)
+    hit, _ = c.begin(ch[:2], 2, 2)
+    c.finish(ch[:2], hit, 2, 2)
+    before = c.blocks()
+    for bad in (ch[1:], (ch[0], 999, ch[2])):
+        with pytest.raises(ValueError, match="not a hash chain"):
+            c.reclaim_suffix(bad)
+        assert c.blocks() == before
+    # a hash repeated at a position evicted since the prefill began
+    c = RunPrefixCache(3)
+    c.insert_chain((1,))
+    hit, _ = c.begin((1, 3, 1), 1, 3)
+    c.evict_blocks((1,))
+    before = c.blocks()
+    with pytest.raises(ValueError, match="not a hash chain"):
+        c.finish((1, 3, 1), hit, 3, 3)
+    assert c.blocks() == before
+    # cyclic parent links are refused by both classes instead of looping
+    for cls in (RunPrefixCache, LocalPrefixCache):
+        c = cls(4)
+        c.adopt([(5, 6), (6, 5)])
+        with pytest.raises(ValueError, match="cycle"):
+            c.restore_ancestor_order()
