@@ -2,8 +2,7 @@
 
 Modules: `traces` (Mooncake / Azure / L-Eval loaders), `content` (prompt content model),
 `workloads` (rate shaping, the built-in Tool-Agent generator), `ground_truth` (profile-table
-clock), `run_cache` (the simulated workers' LRU prefix caches; `local_cache` is the plain
-block-per-entry version and its reference), `sim_backend` and `simulator` (the simulated backend
-and event loop), `slo`, `metrics`, `report`, `systems` (what is compared), `experiment` (one
-comparison as a library), and the CLIs `replay` and `bench_sim`. Nothing here imports jax directly (grain, used by `traces`, does).
+clock), `local_cache` and `simulator` (the simulated backend and event loop), `slo`, `metrics`,
+`report`, `systems` (what is compared), `experiment` (one comparison as a library), and the CLIs
+`replay` and `bench_sim`. Nothing here imports jax directly (grain, used by `traces`, does).
 """

@@ -5,11 +5,6 @@ blocks are cached, a hit is the longest leading run of the request's block hashe
 request's blocks are touched they are touched from the last to the first, so that a prefix's
 ancestors are always more recent than its descendants and LRU eviction takes leaves first
 (SGLang's radix cache evicts LRU leaves for the same reason). Capacity is in blocks.
-
-The simulator uses `eval.run_cache.RunPrefixCache`, the same LRU kept as runs of blocks (about
-a tenth fewer instructions per simulated request); this one-entry-per-block version is the
-plain form of the semantics, accepts any hashes (not only hash chains), and the tests check
-both against each other and against a list-based reference.
 """
 
 from __future__ import annotations
@@ -312,7 +307,7 @@ def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, i
 
 def split_cache(cache, capacity_blocks: int) -> tuple:
     """The caches of the two halves of a split worker (paper section 6, cache coordination):
-    two caches of the type of `cache` (`LocalPrefixCache` or `eval.run_cache.RunPrefixCache`).
+    two caches of the type of `cache`.
 
     Each retained prefix is assigned to one half and the other half drops it: walking blocks from
     the most to the least recent (ancestors are always more recent than their descendants), a

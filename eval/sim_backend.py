@@ -1,4 +1,4 @@
-"""The simulated backend: per-worker LRU prefix caches (`eval.run_cache`) and a ground-truth clock.
+"""The simulated backend: per-worker LRU prefix caches and a ground-truth clock.
 
 Implements `serving.backend.Backend` for `eval.simulator.simulate`: prefills are charged the
 ground-truth time for the hit the worker's local cache actually gives; split and merge re-carve
@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from eval.local_cache import split_cache
-from eval.run_cache import RunPrefixCache
+from eval.local_cache import LocalPrefixCache, split_cache
 from serving.backend import PrefillResult
 from serving.checks import require_finite
 from serving.replication import copy_seconds
@@ -90,7 +89,7 @@ class SimulatedBackend:
                  prefill_seconds: Callable[[int, int, int], float], config: SimConfig,
                  push_completion: Callable[[float, tuple], None],
                  push_call: Callable[[float, Callable[[], None]], None]) -> None:
-        self.caches = {w.worker_id: RunPrefixCache(w.kv_capacity_blocks) for w in workers}
+        self.caches = {w.worker_id: LocalPrefixCache(w.kv_capacity_blocks) for w in workers}
         self.degrees = {w.worker_id: w.cp_degree for w in workers}
         self._prefill_seconds = prefill_seconds
         self._config = config
@@ -115,7 +114,7 @@ class SimulatedBackend:
             del self.degrees[w]
         if rec.kind == "merge":
             [spec] = rec.new_specs
-            merged = RunPrefixCache(spec.kv_capacity_blocks)
+            merged = LocalPrefixCache(spec.kv_capacity_blocks)
             for cache in olds:
                 merged.adopt(cache.blocks())
             merged.restore_ancestor_order()
@@ -145,7 +144,7 @@ class SimulatedBackend:
         is set; indexes without `share_blocks` keep their copies."""
         self._share(self.caches)
 
-    def _share(self, caches: dict[int, RunPrefixCache]) -> None:
+    def _share(self, caches: dict[int, LocalPrefixCache]) -> None:
         share = getattr(self.scheduler.prefix_index, "share_blocks", None)
         if share is not None:
             for worker_id, cache in caches.items():

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 
 from eval.local_cache import LocalPrefixCache
-from eval.run_cache import RunPrefixCache
 from serving.request import chain_block_hashes
 
 
-@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
-def test_hit_insert_and_leaf_first_eviction(cache_class):
-    cache = cache_class(capacity_blocks=6)
+def test_hit_insert_and_leaf_first_eviction():
+    cache = LocalPrefixCache(capacity_blocks=6)
     a = chain_block_hashes([1, 2, 3, 4])
     hit, ev = cache.begin(a, max_blocks=3, total_blocks=4)
     assert (hit, ev) == (0, [])
@@ -32,9 +30,8 @@ def test_hit_insert_and_leaf_first_eviction(cache_class):
     assert a[0] in cache and a[1] in cache and b[2] in cache
 
 
-@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
-def test_request_larger_than_cache_rejected_without_change(cache_class):
-    cache = cache_class(2)
+def test_request_larger_than_cache_rejected_without_change():
+    cache = LocalPrefixCache(2)
     a = chain_block_hashes([1, 2])
     cache.begin(a, 1, 2)
     cache.finish(a, 0, 2, 2)
@@ -42,7 +39,7 @@ def test_request_larger_than_cache_rejected_without_change(cache_class):
         cache.begin(chain_block_hashes([1, 2, 3]), 2, 3)
     assert len(cache) == 2 and cache.free_blocks == 0
     with pytest.raises(ValueError, match="capacity_blocks"):
-        cache_class(0)
+        LocalPrefixCache(0)
 
 
 def test_child_counts_and_capacity_hold_under_random_operations():
@@ -85,9 +82,8 @@ def test_child_counts_and_capacity_hold_under_random_operations():
         check(half)
 
 
-@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
-def test_merged_caches_keep_parents_more_recent_than_children(cache_class):
-    a, b = cache_class(10), cache_class(10)
+def test_merged_caches_keep_parents_more_recent_than_children():
+    a, b = LocalPrefixCache(10), LocalPrefixCache(10)
     shared = chain_block_hashes([1, 2])
     x = chain_block_hashes([3], shared[-1])
     y = chain_block_hashes([4, 5], shared[-1])
@@ -95,7 +91,7 @@ def test_merged_caches_keep_parents_more_recent_than_children(cache_class):
     a.insert_chain(chain_block_hashes([9]))
     b.insert_chain(shared + x)
     b.insert_chain(shared + y)          # b: two children of the shared prefix
-    merged = cache_class(20)
+    merged = LocalPrefixCache(20)
     for c in (a, b):  # a's older copy of the shared prefix goes in first
         merged.adopt(c.blocks())
     merged.restore_ancestor_order()
@@ -186,8 +182,7 @@ class _ReferenceLRU:
         return [(h, self.parent[h]) for h in self.order]
 
 
-@pytest.mark.parametrize("cache_class", [LocalPrefixCache, RunPrefixCache])
-def test_matches_a_plain_reference_under_random_operations(cache_class):
+def test_matches_a_plain_reference_under_random_operations():
     """Every result and the full recency order agree with `_ReferenceLRU` after each step of
     seeded random prefills, with copies, evictions and reclaims also while a prefill runs."""
     import numpy as np
@@ -197,7 +192,7 @@ def test_matches_a_plain_reference_under_random_operations(cache_class):
     chains = roots + [chain_block_hashes(list(range(900 + 7 * k, 904 + 7 * k)), roots[k % 5][3])
                       for k in range(5)]  # branches off the roots' fourth block
     for capacity in (6, 12, 25):
-        cache, ref = cache_class(capacity), _ReferenceLRU(capacity)
+        cache, ref = LocalPrefixCache(capacity), _ReferenceLRU(capacity)
         running = None  # (chain, hit, full blocks, total blocks) of the prefill in progress
         for step in range(800):
             op = int(rng.integers(6))
@@ -223,3 +218,11 @@ def test_matches_a_plain_reference_under_random_operations(cache_class):
                 assert cache.blocks() == ref.blocks(), f"capacity {capacity}, step {step}"
             assert len(cache) == len(ref.order)
             assert cache.free_blocks == capacity - len(ref.order) - ref.reserved
+
+
+def test_cyclic_parent_links_are_refused_instead_of_looping():
+    cache = LocalPrefixCache(4)
+    cache.adopt([(5, 6), (6, 5)])
+    with pytest.raises(ValueError, match="cycle"):
+        cache.restore_ancestor_order()
+    assert cache.blocks() == [(5, 6), (6, 5)]  # unchanged
