@@ -305,9 +305,8 @@ def ancestor_order(items: Sequence[tuple[int, int | None]]) -> list[tuple[int, i
     return sorted(parent_of.items(), key=lambda item: rank[item[0]])
 
 
-def split_cache(cache, capacity_blocks: int) -> tuple:
-    """The caches of the two halves of a split worker (paper section 6, cache coordination):
-    two caches of the type of `cache`.
+def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPrefixCache, LocalPrefixCache]:
+    """The caches of the two halves of a split worker (paper section 6, cache coordination).
 
     Each retained prefix is assigned to one half and the other half drops it: walking blocks from
     the most to the least recent (ancestors are always more recent than their descendants), a
@@ -320,7 +319,7 @@ def split_cache(cache, capacity_blocks: int) -> tuple:
     """
     if cache._reserved:
         raise ValueError("cannot split a cache while a prefill holds reserved blocks")
-    halves = (type(cache)(capacity_blocks), type(cache)(capacity_blocks))
+    halves = (LocalPrefixCache(capacity_blocks), LocalPrefixCache(capacity_blocks))
     side: dict[int, int] = {}
     picked: tuple[list, list] = ([], [])
     for h, parent in reversed(cache.blocks()):
