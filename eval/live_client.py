@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import httpx
 
@@ -104,8 +105,17 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
     raise RuntimeError(f"the server at {url} was not healthy within {timeout:.0f} s")
 
 
-def pool_changes(url: str, headers: dict | None = None) -> tuple[int, int, list[int]]:
-    """`(finished splits and merges, those in progress, composition)` from `url/v1/workers`.
+class PoolState(NamedTuple):
+    """What `GET /v1/workers` says about the pool at one moment."""
+
+    finished: int  # splits and merges finished
+    in_progress: int  # splits and merges in progress
+    composition: list[int]  # CP degrees in device order
+    executables: int  # prefill executables the workers have created (0 if not reported)
+
+
+def pool_state(url: str, headers: dict | None = None) -> PoolState:
+    """The pool's `PoolState`, from one `GET url/v1/workers`.
 
     Raises:
       httpx.HTTPError: the server did not answer, or answered with an error status.
@@ -113,20 +123,19 @@ def pool_changes(url: str, headers: dict | None = None) -> tuple[int, int, list[
     r = httpx.get(f"{url}/v1/workers", headers=headers, timeout=10.0)
     r.raise_for_status()
     info = r.json()
-    return (len(info["reconfigurations"]), len(info["reconfigurations_in_progress"]),
-            info["composition"])
+    return PoolState(len(info["reconfigurations"]), len(info["reconfigurations_in_progress"]),
+                     info["composition"],
+                     sum(int(w.get("prefill_executables", 0)) for w in info["workers"]))
+
+
+def pool_changes(url: str, headers: dict | None = None) -> tuple[int, int, list[int]]:
+    """`(finished splits and merges, those in progress, composition)` (`pool_state`)."""
+    return pool_state(url, headers)[:3]
 
 
 def compiled_executables(url: str, headers: dict | None = None) -> int:
-    """Prefill executables the server's workers have compiled so far (`url/v1/workers`; 0 for
-    a server that does not report them).
-
-    Raises:
-      httpx.HTTPError: the server did not answer, or answered with an error status.
-    """
-    r = httpx.get(f"{url}/v1/workers", headers=headers, timeout=10.0)
-    r.raise_for_status()
-    return sum(int(w.get("prefill_executables", 0)) for w in r.json()["workers"])
+    """Prefill executables the server's workers have created so far (`pool_state`)."""
+    return pool_state(url, headers).executables
 
 
 @contextlib.contextmanager

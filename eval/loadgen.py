@@ -38,7 +38,7 @@ import httpx
 from absl import app, flags
 
 from eval import report
-from eval.live_client import compiled_executables, launched_server, pool_changes, replay, workload
+from eval.live_client import launched_server, pool_state, replay, workload
 from eval.live_prompts import PromptScale, scaled_requests
 from eval.metrics import summarize
 
@@ -80,8 +80,7 @@ _WARMUP_ROUNDS = flags.DEFINE_integer(
     "the warm-up met compiled.", lower_bound=1)
 _SETTLE_QUIET = flags.DEFINE_float(
     "settle_quiet_s", 20.0, "Warm-up time with no split, merge or compilation after which the "
-    "pool counts as "
-    "settled (seconds; at least the server controller's hold_s + cooldown_s, 10 + 10 by "
+    "pool counts as settled (seconds; at least the server controller's hold_s + cooldown_s, 10 + 10 by "
     "default, or a slow controller is taken for a settled one).", lower_bound=0.0)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).")
@@ -119,31 +118,31 @@ def main(argv):
         for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
             warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
                                _TRACE_BLOCK.value)
-            before = pool_changes(url, headers)
-            compiled = compiled_executables(url, headers)
+            before = pool_state(url, headers)
             asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
                                _API_KEY.value, _TIMEOUT.value))
-            after = pool_changes(url, headers)
-            new_executables = compiled_executables(url, headers) - compiled
-            same_pool = after[:2] == (before[0], 0) and not before[1]
+            after = pool_state(url, headers)
+            new_executables = after.executables - before.executables
+            same_pool = (after.finished, after.in_progress) == (before.finished, 0) and not \
+                before.in_progress
             settled = same_pool and new_executables <= 0
             quiet = quiet + _WARMUP.value if settled else 0.0
             # (a split or merge replaces workers, whose counts start again: no count then)
             created = f"{new_executables}" if same_pool else "n/a (the pool changed)"
             print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
-                  f"measured), composition {after[2]}, prefill executables created: {created}")
+                  f"measured), composition {after.composition}, prefill executables created: {created}")
             if quiet >= _SETTLE_QUIET.value and quiet > 0:
                 break  # no split or merge for long enough: settled
         else:
             if _WARMUP.value > 0:
                 print(f"the pool was still changing (or compiling) after {_WARMUP_ROUNDS.value} "
                       "warm-up rounds")
-        warmup_changes = pool_changes(url, headers)[0]
+        start = pool_state(url, headers)
+        warmup_changes = start.finished
         print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
               f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
-        compiled = compiled_executables(url, headers)
         records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
-        measured_compiled = compiled_executables(url, headers) - compiled
+        measured_compiled = pool_state(url, headers).executables - start.executables
     result = summarize(records)
     result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
         reqs[-1].arrival_time, 1e-9), composition=state["composition"],
