@@ -1,8 +1,15 @@
 """Evaluation: traces and workloads, the discrete-event simulator, metrics, reports, CLIs.
 
-Modules: `traces` (Mooncake / Azure / L-Eval loaders), `content` (prompt content model),
-`workloads` (rate shaping, the built-in Tool-Agent generator), `ground_truth` (profile-table
-clock), `local_cache` and `simulator` (the simulated backend and event loop), `slo`, `metrics`,
-`report`, `systems` (what is compared), `experiment` (one comparison as a library), and the CLIs
-`replay` and `bench_sim`. Nothing here imports jax directly (grain, used by `traces`, does).
+- `eval.traces`: trace loaders (`loaders`: Mooncake / Azure / L-Eval; `parsing`), the prompt
+  content model (`content`), rate shaping and the built-in Tool-Agent generator (`workloads`),
+  time-varying scenarios (`scenarios`);
+- `eval.sim`: the simulator (`simulator`: event loop; `backend`: simulated workers;
+  `local_cache`: their LRU prefix caches; `ground_truth`: the profile-table clock);
+- `eval.live`: against a running server (`client`, `prompts`, the `loadgen` and `fidelity` CLIs);
+- here: `slo`, `metrics`, `report`, `systems` (what is compared), `experiment` (one comparison
+  as a library) and the CLIs `replay`, `paper`, `bench_sim`, `bench_router` (and `loadgen`,
+  `fidelity`, which run `eval.live`'s).
+
+Nothing here imports jax directly (grain, used by `eval.traces.loaders`, does); nothing outside
+`eval` imports it.
 """

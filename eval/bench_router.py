@@ -19,13 +19,13 @@ import time
 import numpy as np
 from absl import app, flags
 
-from serving.cost_model import PrefillCostModel
-from serving.cost_router import VertumnusRouter
-from serving.profiles import generate_profile
-from serving.request import Request, chain_block_hashes
-from serving.router import LeastWorkRouter
-from serving.scheduler import Scheduler
-from serving.worker import layout_workers
+from serving.policy.cost_model import PrefillCostModel
+from serving.policy.cost_router import VertumnusRouter
+from serving.policy.profiles import generate_profile
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.router import LeastWorkRouter
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import layout_workers
 
 _WORKERS = flags.DEFINE_integer("workers", 20, "Workers in the pool.", lower_bound=1)
 _BLOCKS = flags.DEFINE_integer("blocks", 1_000_000, "Cached blocks in the prefix index.",

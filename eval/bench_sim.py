@@ -4,7 +4,7 @@ Replays the full Mooncake conversation trace (12,031 requests) through every sys
 default the built-in ones of the paper's comparison: the Vertumnus variants, the homogeneous
 and least-work pools and the baselines; `vertumnus-fetch` and user systems can be named in
 `--systems`) at `--load_factor` times the cold capacity rate of the smallest of the run's
-`degrees` (2: the same rate whichever systems are timed), and times `eval.simulator.simulate`
+`degrees` (2: the same rate whichever systems are timed), and times `eval.sim.simulator.simulate`
 alone (loading, SLO assignment, block-hash interning, building the system and metrics
 excluded).
 
@@ -40,8 +40,8 @@ from absl import app, flags
 
 from eval.experiment import (ReplayConfig, ReplayEnv, intern_block_hashes, run_parallel_degrees,
                              simulate_system)
-from eval.traces import load_trace
-from eval.workloads import scale_to_rate
+from eval.traces.loaders import load_trace
+from eval.traces.workloads import scale_to_rate
 
 # The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
 _DEFAULT_TRACE = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or pathlib.Path(

@@ -17,16 +17,16 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
-from eval.ground_truth import GroundTruthProfile
+from eval.sim.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
-from eval.simulator import SimConfig, intern_block_hashes, simulate
+from eval.sim.simulator import SimConfig, intern_block_hashes, simulate
 from eval.slo import SloSpec, assign_slos
 from eval.systems import Demand, PoolConfig, System, build_system, expand_systems
-from eval.workloads import prefix_hit_tokens, scale_to_rate
-from serving.cost_model import PrefillCostModel
-from serving.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
-from serving.request import Request
-from serving.scheduler import RequestRecord, Scheduler
+from eval.traces.workloads import prefix_hit_tokens, scale_to_rate
+from serving.policy.cost_model import PrefillCostModel
+from serving.policy.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
+from serving.policy.request import Request, RequestRecord
+from serving.policy.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ReplayConfig:
     """Everything that defines one comparison (the flags of `eval.replay`).
 
     Attributes:
-      gpu, model: names in `serving.profiles.GPUS` / `MODELS` for the analytic profile and the
+      gpu, model: names in `serving.policy.profiles.GPUS` / `MODELS` for the analytic profile and the
         KV sizes.
       profile_csv: a measured profile (columns cp,input_len,cached_len,seconds) used instead of
         the analytic one; None for analytic.
@@ -103,7 +103,7 @@ class ReplayEnv:
     `PoolConfig` per parallelism the run uses ("cp" always, "tp" when a TP system takes part),
     each with the cost model fitted to that parallelism's profile, and `tables` the profiles.
     A `profile_csv` replaces the analytic profile for "cp" only; "tp" is always analytic
-    (`serving.profiles.generate_profile(..., parallelism="tp")`).
+    (`serving.policy.profiles.generate_profile(..., parallelism="tp")`).
     """
 
     table: ProfileTable
@@ -297,7 +297,7 @@ def simulate_system(env: ReplayEnv, cfg: ReplayConfig, system: System,
 
     Returns:
       `(records, scheduler)`: one record per request, and the run's scheduler (its logs:
-      `reconfiguration_log`, `replication_log`, `reclaim_log`, `composition`).
+      `reconfig.log`, `copies.log`, `copies.reclaim_log`, `composition`).
     """
     par = system.parallelism
     handle: list[Scheduler] = []
@@ -370,10 +370,10 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
             "kv_blocks_per_gpu": env.pools[par].kv_blocks_per_gpu, "block_size": env.block_size,
             "final_composition": sched.composition,
             "reconfigurations": [{k: log[k] for k in ("kind", "started", "finished", "composition")}
-                                 for log in sched.reconfiguration_log],
-            "replications": len(sched.replication_log),
-            "replicated_blocks": sum(log["blocks"] for log in sched.replication_log),
-            "reclamations": len(sched.reclaim_log),
+                                 for log in sched.reconfig.log],
+            "replications": len(sched.copies.log),
+            "replicated_blocks": sum(log["blocks"] for log in sched.copies.log),
+            "reclamations": len(sched.copies.reclaim_log),
         })
         results.append(out)
     return results, env

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.scheduler import RequestRecord
+from serving.policy.request import RequestRecord
 
 PERCENTILES = (90, 99)  # the median is `median_ttft_ms`
 

@@ -23,12 +23,12 @@ from absl import app, flags
 from eval import report
 from eval.experiment import ReplayConfig, ReplayEnv, run_sweep, simulate_system
 from eval.metrics import summarize
-from eval.scenarios import Phase, phase_of, phased_workload
+from eval.traces.scenarios import Phase, phase_of, phased_workload
 from eval.slo import SloSpec, assign_slos
 from eval.systems import register_system, vertumnus_system
-from eval.traces import load_trace
-from eval.workloads import tool_agent_workload
-from serving.controller import ControllerConfig
+from eval.traces.loaders import load_trace
+from eval.traces.workloads import tool_agent_workload
+from serving.policy.controller import ControllerConfig
 
 # The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
 _TRACES = os.environ.get("VERTUMNUS_TRACES_DIR") or str(
@@ -192,8 +192,8 @@ def part_reconfig(wls: dict, quick: bool) -> tuple[dict, list[str]]:
                       f"{m['p90_ttft_ms']:.0f} | {m['token_weighted_slo_attainment']:.3f} |")
         data[name] = {"phases": per, "overall": summarize(records),
                       "initial_composition": system.composition,
-                      "reconfigurations": sched.reconfiguration_log,
-                      "replications": len(sched.replication_log)}
+                      "reconfigurations": sched.reconfig.log,
+                      "replications": len(sched.copies.log)}
     log = data["vertumnus"]["reconfigurations"]
     md += ["", f"`vertumnus` made {len(log)} reconfigurations: "
            + "; ".join(f"{x['kind']} at {x['started']:.0f} s -> {len(x['composition'])} workers"

@@ -29,10 +29,10 @@ from absl import app, flags
 
 from eval import report
 from eval.experiment import ReplayConfig, run_degrees, run_sweep
-from eval.simulator import SimConfig
-from eval.traces import load_trace, sample_window
-from eval.workloads import tool_agent_workload, workload_stats
-from serving.specs import GPUS, MODELS
+from eval.sim.simulator import SimConfig
+from eval.traces.loaders import load_trace, sample_window
+from eval.traces.workloads import tool_agent_workload, workload_stats
+from serving.policy.specs import GPUS, MODELS
 
 _TRACE = flags.DEFINE_string("trace", "", "Trace file; empty = the built-in Tool-Agent workload.")
 _FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from serving.request import Request
+from serving.policy.request import Request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,12 @@ A system is built by name from a `PoolConfig` (GPU budget, KV blocks per GPU, th
 per degree, the fitted cost model). Built in here:
 
 - `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
-  least-cost routing (`serving.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
+  least-cost routing (`serving.policy.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
 - `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
 - `vertumnus`: the full system: initial composition from demand, the placement-cost router,
   the split/merge controller and the global prefix-cache manager; `vertumnus-nocache` without
   the cache manager, `vertumnus-static` without controller and cache manager (ablations);
-  `vertumnus-fetch` with `serving.fetch_router.FetchingVertumnusRouter` (the placement cost
+  `vertumnus-fetch` with `serving.policy.fetch_router.FetchingVertumnusRouter` (the placement cost
   may fetch another worker's prefix; an extension beyond the paper);
 - `static-threshold`: two fixed pools, half the GPUs at the largest of `--degrees` and half at
   the smallest, inputs of >= 8192 tokens to the large-degree pool (FlexLB's rule,
@@ -33,16 +33,16 @@ from collections.abc import Callable, Sequence
 
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
-from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.controller import ControllerConfig, ReconfigurationController, initial_composition
-from serving.cost_router import VertumnusRouter
-from serving.fetch_router import FetchingVertumnusRouter
-from serving.plugins import import_spec
-from serving.prefix_index import PrefixIndex
-from serving.prefix_trie import GlobalPrefixTrie
-from serving.router import LeastWorkRouter, Router
-from serving.scheduler import CostModel, Scheduler
-from serving.worker import WorkerSpec, homogeneous_degrees, layout_workers
+from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
+from serving.policy.controller import ControllerConfig, ReconfigurationController, initial_composition
+from serving.policy.cost_router import VertumnusRouter
+from serving.policy.fetch_router import FetchingVertumnusRouter
+from serving.policy.plugins import import_spec
+from serving.policy.prefix_index import PrefixIndex
+from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.router import LeastWorkRouter, Router
+from serving.policy.scheduler import CostModel, Scheduler
+from serving.policy.worker import WorkerSpec, homogeneous_degrees, layout_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class System:
       name: the system's own name (a built-in system is named so in results; a plug-in
         given as `module:attribute` is named by that spec instead).
       workers: the initial pool composition.
-      router: the routing policy (`serving.router.Router`).
+      router: the routing policy (`serving.policy.router.Router`).
       tick_hooks: periodic hooks `(scheduler, now)`.
       parallelism: "cp" (a worker's `cp_degree` devices run context-parallel prefill) or "tp"
         (they run tensor-parallel prefill, `cp_degree` = TP ways); `eval.experiment` charges and

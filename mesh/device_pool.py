@@ -13,18 +13,18 @@ ready (`PendingChange.mark_ready`), and `commit` then adopts the new groups unde
 the old groups stay the pool's groups.
 
 Every invalid composition or operation raises `ValueError` saying why, with nothing changed.
-Imports only jax (and `mesh.submesh`, `mesh.pending_change`).
+Imports only jax (and `mesh.submesh`, `mesh.device_group`, `mesh.pending_change`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import operator
 from collections.abc import Sequence
 
 import jax
 
+from mesh.device_group import DeviceGroup
 from mesh.pending_change import PendingChange
 from mesh.submesh import worker_mesh
 
@@ -59,36 +59,6 @@ def check_composition(composition: Sequence[int], num_devices: int) -> None:
         first += c
     if first > num_devices:
         raise ValueError(f"composition {comp} needs {first} devices, only {num_devices} exist")
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceGroup:
-    """One worker's devices: pool indices `[first_device, first_device + cp_degree)`.
-
-    Attributes:
-      worker_id: the worker's id (an int >= 0, unique in the pool).
-      first_device: index of its rank-0 device in the pool's devices; a multiple of cp_degree.
-      cp_degree: C, a power of two >= 1.
-      epoch: the epoch under which the group was adopted (0 for the initial composition).
-    """
-
-    worker_id: int
-    first_device: int
-    cp_degree: int
-    epoch: int
-
-    @property
-    def device_indices(self) -> range:
-        """Pool indices of the worker's devices, rank order."""
-        return range(self.first_device, self.first_device + self.cp_degree)
-
-    def is_buddy_of(self, other: DeviceGroup) -> bool:
-        """Whether `self` and `other` are the two aligned halves of one group of twice the
-        degree."""
-        c = self.cp_degree
-        lo = min(self.first_device, other.first_device)
-        return (other.cp_degree == c and lo % (2 * c) == 0
-                and abs(self.first_device - other.first_device) == c)
 
 
 class DevicePool:

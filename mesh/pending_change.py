@@ -9,10 +9,8 @@ KV"; Vertumnus paper section 6). Re-exported by `mesh.device_pool` and `mesh`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: device_pool imports this module
-    from mesh.device_pool import DeviceGroup
+from mesh.device_group import DeviceGroup
 
 
 @dataclasses.dataclass(eq=False)

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.block_sizes import BlockSizes, next_pow2
 from pallas_kernels.reference import attention_reference, check_attention_inputs, check_sm_scale
 
 __all__ = ["BlockSizes", "attention_reference", "flash_attention", "merge_attention_states"]
@@ -43,61 +44,6 @@ except ImportError:  # pragma: no cover - only on jax builds without the Triton 
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
 _NO_KEY = np.iinfo(np.int32).max  # key-block min/max sentinel: "no valid key" / "has padding"
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockSizes:
-    """Tiling of the forward kernel.
-
-    Attributes:
-      block_q: query rows per program (tokens); a power of two >= 16.
-      block_k: keys per inner-loop step (tokens); a power of two >= 16.
-      num_warps: Triton warps per program; None picks 4 for head_dim <= 64, else 8. GPU only.
-      num_stages: Triton software-pipelining stages of the key loop. GPU only.
-
-    Both block sizes are clipped to the (padded) sequence lengths, so small inputs use smaller
-    tiles. Raises ValueError for a block size that is not a power of two >= 16 (Triton's `dot`
-    needs tiles of at least 16 and power-of-two tensor shapes).
-    """
-
-    block_q: int
-    block_k: int
-    num_warps: int | None = None
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 16 and _is_pow2(value)):
-                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value!r}")
-        if self.num_warps is not None and not (1 <= self.num_warps <= 32):
-            raise ValueError(
-                f"BlockSizes.num_warps must be in [1, 32] or None, got {self.num_warps}"
-            )
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"BlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
-
-    @classmethod
-    def get_default(cls, backend: str) -> BlockSizes:
-        """Defaults per backend: "gpu"/"cuda" (H100/H200-class, Triton) or "cpu" (interpret).
-
-        GPU: 128 x 64 tiles, 3 stages (FlashAttention-2 / Triton tutorial settings for
-        head_dim 128 on Hopper). CPU: 128 x 128, fewer interpreter steps. Raises ValueError for
-        another backend name.
-        """
-        if backend in ("gpu", "cuda"):
-            return cls(block_q=128, block_k=64, num_warps=None, num_stages=3)
-        if backend == "cpu":
-            return cls(block_q=128, block_k=128)
-        raise ValueError(f"backend must be 'gpu', 'cuda' or 'cpu', got {backend!r}")
 
 
 def _block_schedule(q_positions, kv_positions, block_q: int, block_k: int) -> jax.Array:
@@ -259,12 +205,12 @@ def _pad_axis(x, axis: int, size: int, value=0):
 def _flash_attention_jit(q, k, v, q_positions, kv_positions, *, sm_scale, block_sizes, interpret):
     _, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
-    block_q = min(block_sizes.block_q, max(16, _next_pow2(q_len)))
-    block_k = min(block_sizes.block_k, max(16, _next_pow2(kv_len)))
+    block_q = min(block_sizes.block_q, max(16, next_pow2(q_len)))
+    block_k = min(block_sizes.block_k, max(16, next_pow2(kv_len)))
     blocks = dataclasses.replace(block_sizes, block_q=block_q, block_k=block_k)
     q_pad = pl.cdiv(q_len, block_q) * block_q
     kv_pad = pl.cdiv(kv_len, block_k) * block_k
-    d_pad = max(16, _next_pow2(head_dim))  # Triton tensors need power-of-two shapes
+    d_pad = max(16, next_pow2(head_dim))  # Triton tensors need power-of-two shapes
     q = _pad_axis(_pad_axis(q, 1, q_pad), 3, d_pad)
     k = _pad_axis(_pad_axis(k, 1, kv_pad), 3, d_pad)
     v = _pad_axis(_pad_axis(v, 1, kv_pad), 3, d_pad)

@@ -11,14 +11,12 @@ are the validation both apply. Re-exported by `pallas_kernels.flash_attention` a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-if TYPE_CHECKING:  # annotations only: flash_attention imports this module
-    from pallas_kernels.flash_attention import BlockSizes
+from pallas_kernels.block_sizes import BlockSizes
 
 
 def check_attention_inputs(q, k, v, q_positions, kv_positions) -> None:

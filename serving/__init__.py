@@ -1,29 +1,17 @@
-"""Vertumnus policy core: routing, scheduling and cache bookkeeping over plain data.
+"""Vertumnus-JAX serving: the policy core, the baselines and the live service.
 
-numpy only, never jax; time is passed in (`now`, seconds), never read from a clock. Driven by
-the simulated backend in `eval/` and by the live JAX backend. Public names:
+- `serving.policy`: the policy core (scheduler, routers, controller, prefix trie, cache manager,
+  cost model, profiles). Plain Python and numpy over plain data, time passed in; driven by the
+  simulator in `eval.sim` and by the live backend here.
+- `serving.baselines`: today's routers (vLLM, SGLang, Dynamo, Mooncake, FlexLB's threshold) on
+  the same `Router` protocol.
+- the live service (this folder): `main` (the absl binary), `server` (assembly), `api` and
+  `api_models` (FastAPI, OpenAI-compatible), `engine` (asyncio), `live_backend` (JAX prefill on
+  device submeshes), `prom` (Prometheus metrics), `tokenizer`.
 
-- requests: `Request`, `chain_block_hashes`, `prompt_block_hashes` (token ids -> the chain),
-  `block_content_id`, `num_blocks`;
-- workers: `WorkerSpec`, `WorkerState`, `WorkerStatus`, `layout_workers`, `homogeneous_degrees`;
-- scheduling: `Scheduler`, `RequestRecord`, `Backend`, `PrefillResult`, `PrefixIndex`;
-- routing: `Router` (protocol), `LeastWorkRouter`;
-- cost: `PrefillCostModel` (profiles and GPU/model specs live in `serving.profiles`,
-  `serving.specs`).
+The policy core's public names are re-exported here (`from serving import Scheduler` works as
+`from serving.policy import Scheduler`); importing `serving` loads neither jax nor the web stack.
 """
 
-from serving.backend import Backend, PrefillResult
-from serving.cost_model import PrefillCostModel
-from serving.prefix_index import PrefixIndex
-from serving.request import (Request, block_content_id, chain_block_hashes, num_blocks,
-                             prompt_block_hashes)
-from serving.router import LeastWorkRouter, Router
-from serving.scheduler import RequestRecord, Scheduler
-from serving.worker import WorkerSpec, WorkerState, WorkerStatus, homogeneous_degrees, layout_workers
-
-__all__ = [
-    "Backend", "LeastWorkRouter", "PrefillCostModel", "PrefillResult", "PrefixIndex", "Request",
-    "RequestRecord", "Router", "Scheduler", "WorkerSpec", "WorkerState", "WorkerStatus",
-    "block_content_id", "chain_block_hashes", "homogeneous_degrees", "layout_workers",
-    "num_blocks", "prompt_block_hashes",
-]
+from serving.policy import *  # noqa: F401,F403 (the policy core's public names)
+from serving.policy import __all__  # noqa: F401

@@ -203,7 +203,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                 "reconfigurations_in_progress": [
                     {"epoch": r.epoch, "kind": r.kind, "old": list(r.old_ids),
                      "new": [x.worker_id for x in r.new_specs]}
-                    for r in s.reconfigurations.values()],
+                    for r in s.reconfig.in_progress.values()],
                 "reconfigurations": engine.reconfigurations()}
 
     @app.post("/v1/workers/split")

@@ -21,15 +21,15 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from serving.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.controller import ControllerConfig, ReconfigurationController
-from serving.cost_router import VertumnusRouter
-from serving.prefix_index import PrefixIndex
-from serving.prefix_trie import GlobalPrefixTrie
-from serving.request import Request
-from serving.router import Router
-from serving.scheduler import RequestRecord, Scheduler
-from serving.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
+from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
+from serving.policy.controller import ControllerConfig, ReconfigurationController
+from serving.policy.cost_router import VertumnusRouter
+from serving.policy.prefix_index import PrefixIndex
+from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.request import Request, RequestRecord
+from serving.policy.router import Router
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
 
 _log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Engine:
         self._admin_epochs: set[int] = set()
         self.degrees = tuple(sorted(set(degrees) if degrees else {w.cp_degree for w in workers}))
         self._deadline: asyncio.TimerHandle | None = None
-        self._logged = 0  # reconfiguration_log entries already logged
+        self._logged = 0  # scheduler.reconfig.log entries already logged
 
     def now(self) -> float:
         """Seconds since the engine was built (monotonic)."""
@@ -195,7 +195,7 @@ class Engine:
                 self.scheduler.tick(self.now())
             except Exception:  # a policy bug must not stop the periodic loops for good
                 _log.exception("scheduler tick failed")
-            for r in self.scheduler.reconfiguration_log[self._logged:]:
+            for r in self.scheduler.reconfig.log[self._logged:]:
                 r = self._with_origin(r)
                 _log.info("epoch %d: %s %s -> %s (%s) drained in %.2f s, done at %.2f s; "
                           "composition %s", r["epoch"], r["kind"], r["old"], r["new"],
@@ -347,7 +347,7 @@ class Engine:
     def reconfigurations(self) -> list[dict]:
         """Finished splits and merges (the scheduler's log), each with `origin`: "admin" (the
         API) or "controller"."""
-        return [self._with_origin(r) for r in self.scheduler.reconfiguration_log]
+        return [self._with_origin(r) for r in self.scheduler.reconfig.log]
 
     def _with_origin(self, record: dict) -> dict:
         return {**record, "origin": "admin" if record["epoch"] in self._admin_epochs
@@ -361,7 +361,7 @@ class Engine:
         reclamations are in flight.
         """
         s = self.scheduler
-        if s.num_in_flight or s.reconfigurations or s.replications or s.reclaims:
+        if s.num_in_flight or s.reconfig.in_progress or s.copies.in_flight or s.copies.reclaims:
             raise ValueError("the prefix cache can be reset only while the pool is idle (no "
                              "request, split, merge, copy or reclamation in flight)")
         freed = 0

@@ -1,6 +1,6 @@
 """The live backend: real zigzag CP prefill on JAX submeshes, driving the same `Scheduler`.
 
-`LiveBackend` implements `serving.backend.Backend` over `vertumnus_jax` workers carved from a
+`LiveBackend` implements `serving.policy.backend.Backend` over `vertumnus_jax` workers carved from a
 `mesh.DevicePool`. Each worker has one executor thread that runs its operations in order
 (prefills, and the copies and frees of the prefix-cache manager); a per-worker lock also
 serialises the operations that touch two workers (a replication reads its source). Nothing here
@@ -27,8 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from mesh import DevicePool, ParamReplicas, worker_mesh
-from serving.backend import PrefillResult
-from serving.request import Request
+from serving.policy.backend import PrefillResult
+from serving.policy.request import Request
 from vertumnus_jax import Worker, prefill_request, release_request
 from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
 
@@ -223,7 +223,7 @@ class LiveBackend:
         rep = replication
         src, dst = self.workers.get(rep.src), self.workers.get(rep.dst)
         if src is None or dst is None:
-            self._post(lambda: self.scheduler.finish_replication(rep, self._clock(), (), ()))
+            self._post(lambda: self.scheduler.copies.finish(rep, self._clock(), (), ()))
             return
         locks = [self._locks[w] for w in sorted({rep.src, rep.dst})]
 
@@ -234,25 +234,25 @@ class LiveBackend:
             try:
                 result = replicate_prefix(src, dst, rep.chain)
                 inserted, evicted = tuple(result.inserted), tuple(result.evicted)
-                _drain(dst)  # reported through finish_replication instead
+                _drain(dst)  # reported through PrefixCopies.finish instead
             except Exception as e:  # the source lost the prefix, or no room: nothing copied
                 self.errors.append(f"replication {rep.src}->{rep.dst} failed: "
                                    f"{type(e).__name__}: {e}")
             finally:
                 for lock in reversed(locks):
                     lock.release()
-            self._post(lambda: self.scheduler.finish_replication(
+            self._post(lambda: self.scheduler.copies.finish(
                 rep, self._clock(), inserted, evicted))
 
         self._submit(rep.dst, run, lambda reason: self._post(
-            lambda: self.scheduler.finish_replication(rep, self._clock(), (), ())))
+            lambda: self.scheduler.copies.finish(rep, self._clock(), (), ())))
 
     def reclaim(self, worker_id: int, chain, now: float) -> None:
         """Frees the worker's unshared tail of `chain` on its executor; then confirms."""
         worker = self.workers.get(worker_id)
         chain = tuple(chain)
         if worker is None:
-            self._post(lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ()))
+            self._post(lambda: self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), ()))
             return
         lock = self._locks[worker_id]
 
@@ -264,11 +264,11 @@ class LiveBackend:
                     _drain(worker)
             except Exception as e:
                 self.errors.append(f"reclaim on worker {worker_id} failed: {type(e).__name__}: {e}")
-            self._post(lambda: self.scheduler.finish_reclaim(
+            self._post(lambda: self.scheduler.copies.finish_reclaim(
                 worker_id, chain, self._clock(), evicted))
 
         self._submit(worker_id, run, lambda reason: self._post(
-            lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ())))
+            lambda: self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), ())))
 
     def reset_prefix_cache(self) -> dict[int, tuple[int, ...]]:
         """Evicts every unreferenced cached block of every worker (vLLM's `reset_prefix_cache`).

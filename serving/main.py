@@ -19,8 +19,8 @@ import sys
 
 from absl import app, flags, logging
 
-from serving.cache_manager import CacheManagerConfig
-from serving.controller import ControllerConfig
+from serving.policy.cache_manager import CacheManagerConfig
+from serving.policy.controller import ControllerConfig
 from serving.engine import EngineConfig
 from serving.server import ServerConfig
 

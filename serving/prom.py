@@ -71,11 +71,11 @@ class _PoolCollector:
         reps = CounterMetricFamily("vertumnus:replications", "Finished prefix copies.")
         recl = CounterMetricFamily("vertumnus:reclamations", "Confirmed prefix reclamations.")
         s = engine.scheduler
-        kinds = _Tally(r["kind"] for r in s.reconfiguration_log) if s is not None else _Tally()
+        kinds = _Tally(r["kind"] for r in s.reconfig.log) if s is not None else _Tally()
         for kind in ("split", "merge"):
             recs.add_metric([kind], kinds.get(kind, 0))
-        reps.add_metric([], len(s.replication_log) if s is not None else 0)
-        recl.add_metric([], len(s.reclaim_log) if s is not None else 0)
+        reps.add_metric([], len(s.copies.log) if s is not None else 0)
+        recl.add_metric([], len(s.copies.reclaim_log) if s is not None else 0)
         yield from (recs, reps, recl)
 
 

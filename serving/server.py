@@ -14,14 +14,14 @@ import math
 import os
 from collections.abc import Sequence
 
-from serving.controller import initial_composition
-from serving.cost_model import PrefillCostModel
+from serving.policy.controller import initial_composition
+from serving.policy.cost_model import PrefillCostModel
 from serving.engine import Engine, EngineConfig
-from serving.plugins import router_from_spec
-from serving.profiles import read_profile_csv
-from serving.request import prompt_block_hashes
+from serving.policy.plugins import router_from_spec
+from serving.policy.profiles import read_profile_csv
+from serving.policy.request import prompt_block_hashes
 from serving.tokenizer import load_tokenizer
-from serving.worker import WorkerSpec
+from serving.policy.worker import WorkerSpec
 
 # Measured with `python -m vertumnus_jax.profile --model=tiny --cpu_devices=8` on the project's
 # 2-core CI machine (serving/data/README.md); the router's estimates for the built-in model.
@@ -46,7 +46,7 @@ class ServerConfig:
       shutdown_timeout: seconds to wait for in-flight prefills at shutdown (None: no limit).
       interpret: Pallas interpret mode (None: exactly on CPU).
       router: None for `VertumnusRouter(beta, lam)`, or "module:Class" naming a router class
-        (`serving.plugins.router_from_spec`), the same plug-ins `eval.replay` takes.
+        (`serving.policy.plugins.router_from_spec`), the same plug-ins `eval.replay` takes.
       min_bucket: smallest padded length of a prefill's uncached tokens (a power of two);
         fewer distinct lengths mean fewer compilations.
     """

@@ -2,8 +2,8 @@
 
 Block k's hash covers every token up to the end of block k:
 `h[k] = splitmix64((h[k-1] * 31) ^ splitmix64(id[k]))` with `id[k]` the BLAKE2b-64 of block k's
-int32 tokens; the formulas of `serving.request.chain_block_hashes` and `block_content_id`, so the
-scheduler's hashes (`serving.request.prompt_block_hashes`) can be passed in precomputed. The two
+int32 tokens; the formulas of `serving.policy.request.chain_block_hashes` and `block_content_id`, so the
+scheduler's hashes (`serving.policy.request.prompt_block_hashes`) can be passed in precomputed. The two
 copies exist because the policy core may not import this package (DESIGN.md, layers);
 tests/vertumnus_jax/test_prefix_cache.py checks that they agree.
 """
@@ -28,7 +28,7 @@ def _splitmix64(x: int) -> int:
 def chain_hashes(content_ids: Iterable[int], parent: int = 0) -> tuple[int, ...]:
     """Chains per-block content ids: `h[k] = splitmix64((h[k-1] * 31) ^ splitmix64(id[k]))`.
 
-    The same formula as `serving.request.chain_block_hashes` (64-bit, deterministic across
+    The same formula as `serving.policy.request.chain_block_hashes` (64-bit, deterministic across
     processes), so hashes computed by the scheduler can be passed in precomputed.
     """
     out, h = [], int(parent) & _MASK64

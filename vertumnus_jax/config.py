@@ -2,7 +2,7 @@
 
 `ModelConfig` is a frozen dataclass holding exactly the shapes and constants the forward pass
 needs. Named configs: `tiny` / `tiny_moe` (built-in test models, seeded random weights, fast on
-CPU; `tiny` has the shapes of `serving.specs.MODELS["tiny"]`), and the shapes of Qwen3-0.6B,
+CPU; `tiny` has the shapes of `serving.policy.specs.MODELS["tiny"]`), and the shapes of Qwen3-0.6B,
 Qwen3-8B and Qwen3-30B-A3B (from their Hugging Face `config.json` files) for profiling and for
 loading real checkpoints. `from_hf_config` reads a Hugging Face Qwen3 / Qwen3-MoE config dict;
 `to_hf_config` writes one (tests use it to build HF checkpoints).

@@ -10,7 +10,7 @@ prefilled and cached once, then `prefill` of the whole prompt over that cached p
 `--warmup` times (compilation included) and `--repeats` times timed; the new blocks are freed
 after each run so every run sees the same cache. A run is timed from the host call to the first
 token on the host (wall clock, `time.perf_counter`). The CSV has the columns the cost model reads
-(`serving.profiles.read_profile_csv`): `cp,input_len,cached_len,seconds`, seconds the median.
+(`serving.policy.profiles.read_profile_csv`): `cp,input_len,cached_len,seconds`, seconds the median.
 On a GPU the same command times the Triton kernel; on CPU the Pallas interpreter (so CPU numbers
 only show the shape of the curves).
 """

@@ -326,7 +326,7 @@ def replicate_prefix(src: Worker, dst: Worker, block_hashes: Sequence[int], *,
       src, dst: live workers of the same model and block size (any degrees), not the same.
       block_hashes: chained block hashes from the root; src must cache all of them.
       consume_events: take the insert/evict events of this copy out of `dst.cache.events`, so
-        they are reported once, through the result (`Scheduler.finish_replication`).
+        they are reported once, through the result (`PrefixCopies.finish`).
 
     Raises:
       ValueError: (nothing changed) src is dst, retired workers, another model or block size,
@@ -381,7 +381,7 @@ def reclaim_prefix(worker: Worker, block_hashes: Sequence[int], *,
     an unreferenced leaf (`PrefixCache.evict_tail`).
 
     Returns the evicted hashes, deepest first (taken out of `worker.cache.events` with
-    `consume_events`, for `Scheduler.finish_reclaim`). Raises ValueError for a retired worker
+    `consume_events`, for `PrefixCopies.finish_reclaim`). Raises ValueError for a retired worker
     or an empty chain.
     """
     chain_ = _as_chain(block_hashes)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from eval.systems import PoolConfig, System
-from serving.baselines_common import argmin_rotating
-from serving.request import Request
-from serving.worker import WorkerState, homogeneous_degrees
+from serving.baselines.common import argmin_rotating
+from serving.policy.request import Request
+from serving.policy.worker import WorkerState, homogeneous_degrees
 
 
 class ExampleRouter:

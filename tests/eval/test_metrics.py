@@ -6,8 +6,8 @@ import pytest
 
 from eval.metrics import summarize
 from eval.slo import SloSpec, assign_slos
-from serving.request import Request, chain_block_hashes
-from serving.scheduler import RequestRecord
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.request import RequestRecord
 
 
 def rec(rid, arrival, length, slo, start, finish, first, cached=0, cp=2, error=None):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from eval.experiment import ReplayConfig, ReplayEnv, run_sweep
-from eval.workloads import tool_agent_workload
+from eval.traces.workloads import tool_agent_workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

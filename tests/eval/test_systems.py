@@ -10,12 +10,12 @@ import pytest
 
 from eval.experiment import ReplayConfig, run_sweep
 from eval.systems import PoolConfig, System, build_system, mixed_degrees
-from eval.workloads import tool_agent_workload
+from eval.traces.workloads import tool_agent_workload
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
-from serving.profiles import analytic_prefill_seconds
-from serving.request import Request, chain_block_hashes
-from serving.specs import GPUS, MODELS
+from serving.policy.profiles import analytic_prefill_seconds
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.specs import GPUS, MODELS
 from tests.eval.plugin_example import ExampleRouter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

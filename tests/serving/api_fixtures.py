@@ -8,12 +8,12 @@ import time
 from fastapi.testclient import TestClient
 
 from serving.api import create_app
-from serving.cost_model import PrefillCostModel
+from serving.policy.cost_model import PrefillCostModel
 from serving.engine import Engine, EngineConfig
-from serving.profiles import read_profile_csv
+from serving.policy.profiles import read_profile_csv
 from serving.server import DEFAULT_PROFILE
 from serving.tokenizer import ByteTokenizer
-from serving.worker import layout_workers
+from serving.policy.worker import layout_workers
 from tests.serving.fake_backend import FakeBackend
 
 BS = 16
@@ -32,7 +32,7 @@ def make_client(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="
                            worker_ids=[s.worker_id for s in specs])
 
     def hash_prompt(tokens):
-        from serving.request import chain_block_hashes
+        from serving.policy.request import chain_block_hashes
         return chain_block_hashes(hash(tuple(tokens[i:i + BS])) for i in range(0, len(tokens), BS))
 
     engine = Engine(cfg, make_backend, specs, cost, sum(composition), hash_prompt, router=router,

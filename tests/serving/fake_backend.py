@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import types
 
-from serving.backend import PrefillResult
+from serving.policy.backend import PrefillResult
 
 
 class FakeBackend:
@@ -76,10 +76,10 @@ class FakeBackend:
         self._later(done)
 
     def replicate(self, rep, now):
-        self._later(lambda: self.scheduler.finish_replication(rep, self._clock(), (), ()))
+        self._later(lambda: self.scheduler.copies.finish(rep, self._clock(), (), ()))
 
     def reclaim(self, worker_id, chain, now):
-        self._later(lambda: self.scheduler.finish_reclaim(worker_id, chain, self._clock(), ()))
+        self._later(lambda: self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), ()))
 
     def reset_prefix_cache(self):
         out = {}

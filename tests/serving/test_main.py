@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from eval.live_client import wait_healthy
+from eval.live.client import wait_healthy
 
 
 def _free_port() -> int:

@@ -7,8 +7,8 @@ import copy
 import numpy as np
 import pytest
 
-from serving import request as serving_request
-from serving.request import chain_block_hashes
+from serving.policy import request as serving_request
+from serving.policy.request import chain_block_hashes
 from vertumnus_jax.prefix_cache import (
     CacheEvent,
     OutOfBlocksError,
@@ -39,7 +39,7 @@ def test_hash_chain_matches_serving_and_depends_on_whole_prefix():
 
 
 def test_serving_prompt_hashes_equal_the_cache_keys():
-    """The live service hashes prompts with `serving.request` (numpy only, by the layer rule);
+    """The live service hashes prompts with `serving.policy.request` (numpy only, by the layer rule);
     its full blocks must be exactly the workers' cache keys, its partial tail one more link."""
     for seed, n in ((1, 3 * BS), (2, 3 * BS + 1), (3, BS - 1), (4, 1)):
         toks = _tokens(seed, n)

@@ -1,0 +1,183 @@
+"""Load generator: replays a trace or the built-in workload against a running server over HTTP.
+
+    python -m eval.live.loadgen --launch_server               # start, replay, report, stop (README)
+    python -m eval.live.loadgen --url=http://127.0.0.1:8000 --trace=../shared/traces/... --duration=60
+
+Each request is sent at its arrival time (open loop, asyncio + httpx; a late send is logged in
+the result as `max_send_lag_s`), with a prompt built by `eval.live.prompts` (block hashes ->
+deterministic token blocks, lengths scaled by `--tokens_per_block / trace block size`). TTFT is
+measured at the client (send to response). The JSON and the table are `eval.replay`'s
+(`eval.metrics.summarize` keys, `eval.report.markdown_table`), plus the server's composition
+changes from `GET /v1/workers`. Before the measured run, unmeasured warm-up rounds of the
+built-in workload (`--warmup_duration` each, a new seed per round) repeat until no split or
+merge has started or finished and no prefill executable was compiled for `--settle_quiet_s` of
+warm-up (at most `--warmup_rounds`; `prefill_executables` of `GET /v1/workers`), so the
+measurement sees the pool the load settles it to, with the prefill executables the warm-up met
+compiled (on a machine whose compilation cache is empty, a shape first met in the measured
+window still compiles there and stalls its worker for seconds: the result JSON counts them,
+`measured_executables_created`);
+the splits and merges of the warm-up and of the measured run are reported apart.
+
+With `--launch_server` the binary `python -m serving.main` is started as a child process with
+`--server_flags`, waited for on `/health`, and stopped with SIGTERM at the end (it finishes its
+in-flight prefills and exits 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+
+import httpx
+from absl import app, flags
+
+from eval import report
+from eval.live.client import launched_server, pool_state, replay, workload
+from eval.live.prompts import PromptScale, scaled_requests
+from eval.metrics import summarize
+
+_URL = flags.DEFINE_string("url", None, "Server base URL; default http://127.0.0.1:<--port>.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port of the server (launched or running).",
+                             lower_bound=1, upper_bound=65535)
+_LAUNCH = flags.DEFINE_bool("launch_server", False, "Start `python -m serving.main --port=<--port> "
+                            "<--server_flags>` for the run and stop it afterwards.")
+_SERVER_FLAGS = flags.DEFINE_string(
+    "server_flags", "--composition=2,2,2,2 --log_level=warning",
+    "Flags of the launched server. The default starts from four CP-2 workers so that the "
+    "controller's merges under this light load show in the run.")
+_TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
+                             "Tool-Agent workload.")
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
+                            "Trace format.")
+_DURATION = flags.DEFINE_float("duration", 30.0, "Seconds of workload to replay (a seeded window "
+                               "of a trace; the start of the built-in workload).", lower_bound=0.1)
+_RATE = flags.DEFINE_float("rate", 0.0, "Re-time the requests to this rate (req/s); 0 = keep.",
+                           lower_bound=0.0)
+_TOKENS_PER_BLOCK = flags.DEFINE_integer("tokens_per_block", 16, "Prompt tokens per trace block "
+                                         "(length scale = this / trace block size).",
+                                         lower_bound=1)
+_TRACE_BLOCK = flags.DEFINE_integer("trace_block_size", 512, "Tokens per block of the trace.",
+                                    lower_bound=1)
+_MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Send at most this many (0 = all).",
+                                     lower_bound=0)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the workload and window.")
+_SLO_MS = flags.DEFINE_float("slo_ms", 500.0, "TTFT SLO of every request (ms) for the SLO "
+                             "attainment columns; 0 = none.", lower_bound=0.0)
+_WARMUP = flags.DEFINE_float("warmup_duration", 20.0, "Seconds of one unmeasured warm-up round "
+                             "(the built-in workload, a new seed each round): compiles the "
+                             "prefill executables the measured run needs; 0 = no warm-up.",
+                             lower_bound=0.0)
+_WARMUP_ROUNDS = flags.DEFINE_integer(
+    "warmup_rounds", 6, "Repeat warm-up rounds until no split or merge has started or finished "
+    "and no prefill executable was compiled for --settle_quiet_s of warm-up, at most this many "
+    "rounds: the measured run then sees the pool the load settles it to, with the executables "
+    "the warm-up met compiled.", lower_bound=1)
+_SETTLE_QUIET = flags.DEFINE_float(
+    "settle_quiet_s", 20.0, "Warm-up time with no split, merge or compilation after which the "
+    "pool counts as settled (seconds; at least the server controller's hold_s + cooldown_s, 10 + 10 by "
+    "default, or a slow controller is taken for a settled one).", lower_bound=0.0)
+_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server.")
+_TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).")
+_OUT = flags.DEFINE_string("output_dir", "out/loadgen", "Where JSON and table go.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    try:
+        reqs, name = workload(_TRACE.value, _FORMAT.value, _DURATION.value, _RATE.value,
+                              _SEED.value, _TRACE_BLOCK.value)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    if not (math.isfinite(_WARMUP.value) and math.isfinite(_SETTLE_QUIET.value)):
+        sys.exit(f"error: --warmup_duration and --settle_quiet_s must be finite seconds, got "
+                 f"{_WARMUP.value} and {_SETTLE_QUIET.value}")
+    if _MAX_REQUESTS.value:
+        reqs = reqs[:_MAX_REQUESTS.value]
+    if _SLO_MS.value > 0:
+        reqs = [dataclasses.replace(r, ttft_slo=_SLO_MS.value / 1e3) for r in reqs]
+    if not reqs:
+        sys.exit(f"error: the workload {name!r} has no requests in {_DURATION.value} s")
+    headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else None
+    url = _URL.value or f"http://127.0.0.1:{_PORT.value}"
+    ctx = (launched_server(f"--port={_PORT.value} {_SERVER_FLAGS.value}", url, headers)
+           if _LAUNCH.value else contextlib.nullcontext())
+    with ctx:
+        info = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]
+        scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
+                            int(info["max_model_len"]))
+        pairs = scaled_requests(reqs, scale, int(info["block_size"]))
+        quiet = 0.0  # warm-up seconds since a split, a merge or a compilation was last seen
+        for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
+            warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
+                               _TRACE_BLOCK.value)
+            before = pool_state(url, headers)
+            asyncio.run(replay(url, scaled_requests(warm, scale, int(info["block_size"])),
+                               _API_KEY.value, _TIMEOUT.value))
+            after = pool_state(url, headers)
+            new_executables = after.executables - before.executables
+            same_pool = (after.finished, after.in_progress) == (before.finished, 0) and not \
+                before.in_progress
+            settled = same_pool and new_executables <= 0
+            quiet = quiet + _WARMUP.value if settled else 0.0
+            # (a split or merge replaces workers, whose counts start again: no count then)
+            created = f"{new_executables}" if same_pool else "n/a (the pool changed)"
+            print(f"warm-up {k + 1}: {len(warm)} requests over {_WARMUP.value:.0f} s (not "
+                  f"measured), composition {after.composition}, prefill executables created: {created}")
+            if quiet >= _SETTLE_QUIET.value and quiet > 0:
+                break  # no split or merge for long enough: settled
+        else:
+            if _WARMUP.value > 0:
+                print(f"the pool was still changing (or compiling) after {_WARMUP_ROUNDS.value} "
+                      "warm-up rounds")
+        start = pool_state(url, headers)
+        warmup_changes = start.finished
+        print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
+              f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
+        records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
+        measured_compiled = pool_state(url, headers).executables - start.executables
+    result = summarize(records)
+    result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
+        reqs[-1].arrival_time, 1e-9), composition=state["composition"],
+        warmup_reconfigurations=state["reconfigurations"][:warmup_changes],
+        # executables the measured window had to create (each one stalled its worker on a
+        # cold compilation cache); None when a split or merge changed the workers meanwhile
+        measured_executables_created=(measured_compiled if len(state["reconfigurations"]) ==
+                                      warmup_changes else None),
+        reconfigurations=state["reconfigurations"][warmup_changes:],
+        max_send_lag_s=state["max_send_lag_s"],
+        mean_server_ttft_ms=1e3 * sum(state["server_ttft_s"].values()) / max(
+            1, len(state["server_ttft_s"])),
+        tokens_per_block=_TOKENS_PER_BLOCK.value)
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, f"{name}__live.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True, allow_nan=False)
+    print(report.markdown_table([result]))
+    print(f"\ncomposition at the end: {state['composition']}")
+    for title, key in (("during the warm-up", "warmup_reconfigurations"),
+                       ("during the measured run", "reconfigurations")):
+        print(f"splits and merges {title}:" + ("" if result[key] else " none"))
+        for r in result[key]:
+            print(f"  epoch {r['epoch']}: {r['kind']} {r['old']} -> {r['new']} ({r['origin']}) "
+                  f"at {r['finished']:.1f} s (drained in {r['drained'] - r['started']:.2f} s) "
+                  f"-> {r['composition']}")
+    created = result["measured_executables_created"]
+    print("prefill executables created during the measured run: " + (
+        "n/a (the pool changed)" if created is None else f"{created}" + (
+            " (each compiled while requests waited, unless the compilation cache had it)"
+            if created else "")))
+    if result["failed"]:
+        print(f"warning: {result['failed']} requests failed: {result['failure_reasons']}")
+    print(f"results in {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

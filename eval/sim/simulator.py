@@ -1,0 +1,150 @@
+"""Discrete-event simulation of the prefill pool, driving the same `serving.Scheduler` that serves.
+
+The simulated backend charges each prefill the ground-truth time of a profile table
+(`eval.sim.ground_truth.GroundTruthProfile`, optionally noisy) for the hit its worker's local LRU
+cache actually gives, while the router only sees the fitted cost model and the prefix index
+built from KV events, so the router is never omniscient (DESIGN.md, "One policy core, two
+backends"). TTFT adds the KV transfer to the decode pool and one decode step, as the paper
+counts TTFT for a disaggregated prefill pool.
+
+Events are (time, sequence, kind, payload) on a heap; arrivals are merged from the sorted
+request list; ties are ordered completions first, then backend callbacks (copies, re-carves), then
+arrivals, then ticks, then by sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import heapq
+from collections.abc import Callable, Sequence
+
+from eval.sim.backend import SimConfig, SimulatedBackend  # noqa: F401 (SimConfig re-exported)
+from serving.policy.prefix_index import PrefixIndex
+from serving.policy.request import Request, RequestRecord
+from serving.policy.router import Router
+from serving.policy.scheduler import CostModel, Scheduler
+from serving.policy.worker import WorkerSpec
+
+_COMPLETE, _CALL, _ARRIVAL, _TICK = 0, 1, 2, 3
+
+
+def intern_block_hashes(requests: Sequence[Request]) -> list[Request]:
+    """The requests with their block hashes renumbered 1..N in the order of the hash values.
+
+    Equal hashes stay equal, distinct ones distinct, and their order is kept (the prefix-cache
+    manager scans prefix tips in hash order), so a replay's results are unchanged; but small
+    ints hash in one step where 64-bit ones take several, and the simulated workers' caches and
+    the policy's indexes look blocks up tens of times per request. Done once per workload
+    (`eval.experiment.run_sweep`, `eval.bench_sim`), not per simulation.
+
+    Returns:
+      New `Request`s, in the input order (the input is not modified).
+    """
+    distinct = sorted({h for r in requests for h in r.block_hashes})
+    dense = dict(zip(distinct, range(1, len(distinct) + 1))).__getitem__
+    return [dataclasses.replace(r, block_hashes=tuple(map(dense, r.block_hashes)))
+            for r in requests]
+MAX_TIME_S = 1e11  # keeps t + tick_interval > t in float64 for ticks >= 1 ms
+
+
+def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_model: CostModel,
+             router: Router, prefill_seconds: Callable[[int, int, int], float],
+             config: SimConfig = SimConfig(),
+             tick_hooks: Sequence[Callable[[Scheduler, float], None]] = (),
+             setup: Sequence[Callable[[Scheduler], None]] = (),
+             prefix_index: PrefixIndex | None = None) -> list[RequestRecord]:
+    """Replays `requests` (sorted by arrival) through a simulated pool.
+
+    Args:
+      requests: the workload, sorted by `arrival_time` (seconds).
+      workers: initial pool composition.
+      cost_model: the router's estimate of prefill seconds (fitted, not the ground truth).
+      router: routing policy.
+      prefill_seconds: ground-truth prefill seconds `(cp_degree, input_len, cached_len)`.
+      config: `SimConfig`.
+      tick_hooks: periodic hooks `(scheduler, now)`, run every `config.tick_interval` seconds.
+      setup: called with the `Scheduler` before the run (attach a controller, keep a handle to
+        read its logs afterwards).
+      prefix_index: the scheduler's index of cached blocks (`PrefixIndex` by default; a
+        `GlobalPrefixTrie` for the prefix-cache manager).
+
+    Returns:
+      One `RequestRecord` per request, in completion order.
+
+    Raises:
+      ValueError: requests not sorted by arrival time.
+      RuntimeError: the run ended with requests still in flight (a scheduler bug).
+    """
+    if requests and requests[-1].arrival_time > MAX_TIME_S:
+        raise ValueError(f"arrival times must be <= {MAX_TIME_S:g} s (about 3,000 years); the last "
+                         f"request arrives at {requests[-1].arrival_time:g} s (a request rate far "
+                         "too low?)")
+    for a, b in zip(requests, requests[1:]):
+        if b.arrival_time < a.arrival_time:
+            raise ValueError(f"requests must be sorted by arrival_time; {b.request_id!r} at "
+                             f"{b.arrival_time} follows {a.request_id!r} at {a.arrival_time}")
+    records: list[RequestRecord] = []
+    heap: list = []
+    seq = 0
+
+    def push_completion(t: float, payload: tuple) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, _COMPLETE, seq, payload))
+
+    def push_call(t: float, fn: Callable[[], None]) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, _CALL, seq, fn))
+
+    backend = SimulatedBackend(workers, prefill_seconds, config, push_completion, push_call)
+    scheduler = Scheduler(workers, cost_model, router, backend, listener=records.append,
+                          prefix_index=prefix_index)
+    backend.scheduler = scheduler
+    backend.share_caches()
+    scheduler.tick_hooks.extend(tick_hooks)
+    for f in setup:
+        f(scheduler)
+    tick = config.tick_interval
+    if tick > 0 and requests:
+        heapq.heappush(heap, (requests[0].arrival_time + tick, _TICK, 0, None))
+
+    # The run allocates many small acyclic objects; the cyclic collector only costs time here.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _run_events(requests, heap, scheduler, tick)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    if scheduler.num_in_flight:
+        raise RuntimeError(f"{scheduler.num_in_flight} requests still in flight at the end")
+    return records
+
+
+def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float) -> None:
+    i, n = 0, len(requests)
+    arrivals = [r.arrival_time for r in requests]
+    submit, complete = scheduler.submit, scheduler.backend.finish_prefill
+    heappop = heapq.heappop
+    while i < n or heap:
+        if i < n and (not heap or arrivals[i] < heap[0][0]
+                      or (arrivals[i] == heap[0][0] and heap[0][1] > _ARRIVAL)):
+            submit(requests[i], arrivals[i])
+            i += 1
+            continue
+        t, kind, _, payload = heappop(heap)
+        if kind == _COMPLETE:
+            complete(payload, t)
+        elif kind == _CALL:
+            payload()
+        else:
+            scheduler.tick(t)
+            if not heap and i >= n and scheduler.num_in_flight and not scheduler.reconfig.in_progress:
+                break  # requests wait for workers that will never come back: reported below
+            busy = scheduler.num_in_flight or scheduler.reconfig.in_progress or heap
+            if busy:
+                heapq.heappush(heap, (t + tick, _TICK, 0, None))
+            elif i < n:  # idle until the next arrival: no point ticking through the gap
+                heapq.heappush(heap, (max(t + tick, requests[i].arrival_time), _TICK, 0, None))

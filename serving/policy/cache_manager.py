@@ -1,0 +1,158 @@
+"""Global prefix-cache manager: replicate and reclaim prefixes across workers and degrees.
+
+A periodic scan over the global trie's demand statistics (paper section 7) plans, per prefix
+tip z and CP degree C:
+
+- **inter-degree replication**: no worker of degree C holds z (`ReplicaCount(z, C) == 0`) and
+  requests routed to degree C missed at least `min_missed_tokens` of z since the last scan ->
+  copy z to one worker of degree C;
+- **intra-degree replication**: `access(z, C) / ReplicaCount(z, C) > intra_high` requests per
+  replica per scan -> one more replica at degree C;
+- **reclamation**: `ReplicaCount(z, C) >= 2` and `access(z, C) / ReplicaCount(z, C) <
+  reclaim_low` -> free z's tail on the most loaded holder of degree C.
+
+A copy sends only the blocks the destination lacks, to the worker of degree C with the longest
+retained ancestor path of z, then enough free blocks, then the lowest load (outstanding
+seconds). At most `max_actions` actions per scan; then demand counts decay by `decay`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.policy.checks import require_finite
+from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.worker import WorkerStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheManagerConfig:
+    """Thresholds of the prefix-cache manager (module docstring); times in seconds.
+
+    Raises:
+      ValueError: naming the field, for a value out of range.
+    """
+
+    scan_interval_s: float = 5.0
+    decay: float = 0.5
+    min_missed_tokens: float = 8192.0
+    intra_high: float = 16.0
+    reclaim_low: float = 0.25
+    max_actions: int = 8
+    min_blocks: int = 2
+
+    def __post_init__(self) -> None:
+        require_finite(self, ("scan_interval_s", "decay", "min_missed_tokens", "intra_high", "reclaim_low"))
+        if not isinstance(self.max_actions, int) or not isinstance(self.min_blocks, int):
+            raise ValueError("max_actions and min_blocks must be integers")
+        if not self.scan_interval_s > 0:
+            raise ValueError(f"scan_interval_s must be > 0, got {self.scan_interval_s}")
+        if not 0 <= self.decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if not 0 <= self.reclaim_low < self.intra_high:
+            raise ValueError(f"need 0 <= reclaim_low < intra_high, got {self.reclaim_low}, {self.intra_high}")
+        if self.max_actions < 0 or self.min_blocks < 1 or self.min_missed_tokens < 0:
+            raise ValueError("max_actions >= 0, min_blocks >= 1 and min_missed_tokens >= 0 required")
+
+
+class PrefixCacheManager:
+    """The periodic scan; `attach(scheduler)` registers it as a tick hook.
+
+    The scheduler's prefix index must be a `GlobalPrefixTrie`. `actions` logs every planned
+    action (time, kind, tip depth, degree, workers, blocks).
+    """
+
+    def __init__(self, config: CacheManagerConfig = CacheManagerConfig()) -> None:
+        self.config = config
+        self.actions: list[dict] = []
+        self._next_scan = 0.0
+
+    def attach(self, scheduler) -> None:
+        if not isinstance(scheduler.prefix_index, GlobalPrefixTrie):
+            raise ValueError("PrefixCacheManager needs the scheduler's prefix_index to be a GlobalPrefixTrie")
+        scheduler.tick_hooks.append(self.tick)
+        self._next_scan = self.config.scan_interval_s
+
+    def tick(self, scheduler, now: float) -> None:
+        if now < self._next_scan:
+            return
+        self._next_scan = now + self.config.scan_interval_s
+        self.scan(scheduler, now)
+        scheduler.prefix_index.decay(self.config.decay)
+
+    def scan(self, scheduler, now: float) -> int:
+        """Plans and starts at most `max_actions` actions; returns how many started."""
+        cfg, trie = self.config, scheduler.prefix_index
+        active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
+        degrees = sorted({w.cp_degree for w in active})
+        started = 0
+        candidates = []
+        tips = trie.tips()
+        replicas = {c: trie.replica_counts(tips, c) for c in degrees}  # ReplicaCount(z, C)
+        access, missed, none = trie.access.get, trie.missed.get, {}
+        min_missed, high, low = cfg.min_missed_tokens, cfg.intra_high, cfg.reclaim_low
+        for tip in tips:
+            acc, miss = access(tip, none), missed(tip, none)
+            for c in degrees:
+                r = replicas[c].get(tip, 0)
+                a = acc.get(c, 0.0)
+                m = miss.get(c, 0.0)
+                if r == 0 and m > 0 and m >= min_missed:
+                    candidates.append((-m, "inter-degree", tip, c))
+                elif r >= 1 and a / r > high:
+                    candidates.append((-a / r, "intra-degree", tip, c))
+                elif r >= 2 and a / r < low:
+                    candidates.append((a / r, "reclaim", tip, c))
+        for _, kind, tip, c in sorted(candidates, key=lambda x: (x[0], x[1], x[3])):
+            if started >= cfg.max_actions:
+                break
+            chain = trie.chain(tip)
+            if len(chain) < cfg.min_blocks:
+                continue
+            if kind == "reclaim":
+                ok = self._reclaim(scheduler, chain, c, now)
+            else:
+                ok = self._replicate(scheduler, chain, c, kind, now)
+            started += ok
+        return started
+
+    def _replicate(self, scheduler, chain, c, kind, now) -> bool:
+        trie = scheduler.prefix_index
+        holders = [w for w in trie.holders(chain[-1]) if w in scheduler.workers]
+        whole = [w for w, m in zip(holders, trie.match_blocks(chain, len(chain), holders))
+                 if m == len(chain)]  # a copy's source must hold the whole prefix
+        if not whole:
+            return False
+        src = min(whole, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
+        dests = [w for w in scheduler.workers.values()
+                 if w.status is WorkerStatus.ACTIVE and w.cp_degree == c and w.worker_id not in holders
+                 and (w.worker_id, chain[-1]) not in scheduler.copies.in_flight]
+        if not dests:
+            return False
+        retained = trie.match_blocks(chain, len(chain), [w.worker_id for w in dests])
+        best = None
+        for w, keep in zip(dests, retained):
+            free = w.spec.kv_capacity_blocks - trie.num_blocks(w.worker_id)
+            if free < len(chain) - keep:
+                continue
+            key = (-keep, w.outstanding_seconds(now), w.worker_id)
+            if best is None or key < best[0]:
+                best = (key, w)
+        if best is None:
+            return False
+        rep = scheduler.copies.begin(src, best[1].worker_id, chain, trie.block_size, now, kind)
+        self.actions.append({"time": now, "kind": kind, "depth": len(chain), "cp_degree": c,
+                             "src": src, "dst": rep.dst, "blocks": rep.num_blocks})
+        return True
+
+    def _reclaim(self, scheduler, chain, c, now) -> bool:
+        trie = scheduler.prefix_index
+        holders = [w for w in trie.holders_at(chain[-1], c) if w in scheduler.workers
+                   and (w, chain[-1]) not in scheduler.copies.reclaims]
+        if len(holders) < 2:
+            return False
+        victim = max(holders, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
+        scheduler.copies.begin_reclaim(victim, chain, now)
+        self.actions.append({"time": now, "kind": "reclaim", "depth": len(chain), "cp_degree": c,
+                             "worker": victim})
+        return True

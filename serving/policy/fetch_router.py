@@ -1,0 +1,133 @@
+"""Vertumnus' placement cost with a per-request prefix fetch (an extension beyond the paper).
+
+The paper's router (`serving.policy.cost_router`, section 5) prices each worker with the prefix *that
+worker* holds, `h_w(r)`; prefixes move between workers only through the prefix-cache manager's
+periodic replication (section 7). Mooncake's Conductor (FAST '25, section 6.1, Algorithm 1)
+instead fetches the longest prefix any worker holds when that beats recomputing it. With the
+fetch executed in the simulator the Conductor beats the paper's router at low and medium load
+on the Mooncake traces (eval/RESULTS.md), so this router adds the fetch to the placement cost:
+
+    best     = the longest leading run of r cached on any candidate (blocks), on worker src
+    local(w) = T(C_w, L_r, h_w)
+    fetch(w) = X(best - c_w) + T(C_w, L_r, best)          if best > h_w, else inf
+    S_w(r)   = min(local(w), fetch(w))
+    cost(w)  = Q_w + beta * S_w(r) + lambda * (C_w * S_w(r) - min_w' C_w' * S_w'(r))
+
+with `h_w` the prefix cached or promised on w (as `VertumnusRouter`), `c_w` the part of it
+cached now (the blocks a copy must bring are `best - c_w`), and `X(k) = k * B *
+kv_bytes_per_token / (transfer_gb_per_s * 1e9)` seconds. When the chosen plan fetches, the
+copy is made when the request leaves the worker's queue (`serving.policy.replication.
+FetchOnDispatch`: the longest prefix another worker holds then, only the missing blocks, reason
+"request-transfer"), and the simulated backend starts the prefill when the copy is done (the
+live backend copies without holding the prefill): TTFT = queue + transfer + prefill, as priced.
+A fetch not made (nothing longer to fetch by then, or the copy refused) leaves the request on
+its local prefix. Among equal costs the plan that copies less wins (then round-robin). The
+scheduler reserves the local-prefix estimate `T(C_w, L_r, h_w)`, not `S_w`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serving.policy.cost_router import VertumnusRouter
+from serving.policy.replication import FetchOnDispatch, check_transfer_args, copy_seconds
+from serving.policy.request import Request
+from serving.policy.worker import WorkerState
+
+
+class FetchingVertumnusRouter(VertumnusRouter):
+    """`VertumnusRouter` whose prefill time may fetch the longest cached prefix from another
+    worker; see the module docstring.
+
+    Args:
+      kv_bytes_per_token: K and V bytes of one token, all layers (`ModelSpec.kv_bytes_per_token`),
+        >= 0.
+      transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (1e9 bytes/s), >= 0;
+        0 = free. Default 100, the simulator's `replication_gb_per_s`.
+      beta, lam, cost_model, name: as `VertumnusRouter`.
+
+    Raises:
+      ValueError: an argument outside the ranges above.
+    """
+
+    def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 100.0,
+                 beta: float = 1.0, lam: float = 1.0, cost_model=None,
+                 name: str = "vertumnus-fetch") -> None:
+        super().__init__(beta, lam, cost_model, name)
+        check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
+        self.kv_bytes_per_token = int(kv_bytes_per_token)
+        self.transfer_gb_per_s = float(transfer_gb_per_s)
+        self.fetches = FetchOnDispatch()
+        self._scheduler = None
+
+    def bind(self, scheduler) -> None:
+        super().bind(scheduler)
+        self._scheduler = scheduler
+        self.fetches.attach(scheduler)
+
+    def transfer_seconds(self, blocks: int, block_size: int) -> float:
+        """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
+        return copy_seconds(blocks, block_size, self.kv_bytes_per_token, self.transfer_gb_per_s)
+
+    def plans(self, request: Request, candidates: Sequence[WorkerState],
+              matched_blocks: Sequence[int], now: float) -> list[tuple[float, int, int, int]]:
+        """Per candidate: (placement cost in seconds, blocks its plan copies, index of the
+        source candidate, leading blocks of the request the source holds); the last two are -1
+        and 0 when the plan copies nothing.
+        """
+        predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
+        cached = self._cached_blocks(request, candidates)
+        best = max(cached, default=0)
+        src = cached.index(best) if best else -1
+        st = []  # (S_w, blocks copied)
+        for w, m, c in zip(candidates, matched_blocks, cached):
+            deg = w.spec.cp_degree
+            t, copied = predict(deg, n, m * bs), 0
+            if best > m:
+                fetch = self.transfer_seconds(best - c, bs) + predict(deg, n, best * bs)
+                if fetch < t:
+                    t, copied = fetch, best - c
+            st.append((t, copied))
+        cheapest = min(w.spec.cp_degree * t for w, (t, _) in zip(candidates, st))
+        return [(w.outstanding_seconds(now) + self.beta * t
+                 + self.lam * (w.spec.cp_degree * t - cheapest), copied,
+                 src if copied else -1, best if copied else 0)
+                for w, (t, copied) in zip(candidates, st)]
+
+    def costs(self, request: Request, candidates: Sequence[WorkerState],
+              matched_blocks: Sequence[int], now: float) -> list[float]:
+        """Placement cost of each candidate, in seconds (the module docstring's formula)."""
+        return [p[0] for p in self.plans(request, candidates, matched_blocks, now)]
+
+    def choose(self, request: Request, candidates: Sequence[WorkerState],
+               matched_blocks: Sequence[int], now: float) -> int:
+        """Index of the least placement cost (equal costs: the plan copying less, then
+        round-robin); plans its fetch (made at dispatch) if it fetches.
+
+        Raises:
+          ValueError: no candidate has a finite cost.
+        """
+        plans = self.plans(request, candidates, matched_blocks, now)
+        k = len(plans)
+        start = self._rotation % k
+        self._rotation += 1
+        best, best_key = -1, (float("inf"), 0)
+        for i in (*range(start, k), *range(start)):
+            key = plans[i][:2]
+            if key < best_key:
+                best, best_key = i, key
+        if best < 0:
+            raise ValueError(f"no finite placement cost for request {request.request_id!r}: "
+                             f"{[p[0] for p in plans]}")
+        _, copied, _, length = plans[best]
+        if copied:
+            self.fetches.plan(request, candidates[best].spec.worker_id, length)
+        return best
+
+    def _cached_blocks(self, request: Request, candidates: Sequence[WorkerState]) -> list[int]:
+        """Per candidate, the leading blocks of `request` it has cached now (no promises)."""
+        if self._scheduler is None:
+            return [0] * len(candidates)
+        limit = (request.input_len - 1) // request.block_size  # max_cacheable_blocks
+        return self._scheduler.prefix_index.match_blocks(
+            request.block_hashes, limit, [w.spec.worker_id for w in candidates])

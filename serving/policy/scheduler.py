@@ -1,0 +1,380 @@
+"""The event-driven scheduler core shared by the live and the simulated backends.
+
+`Scheduler` owns the workers' FIFO queues and reservations. It is driven by four calls, each
+given the time `now` in seconds by the caller (it never reads a clock):
+
+- `submit(request, now)`: route to one eligible worker, reserve the predicted prefill time on
+  it at once, start it if the worker is idle;
+- `complete(worker_id, request_id, now, result)`: the backend finished a prefill; apply the
+  worker's KV events to the prefix index, release the reservation, report the request, start
+  the worker's next request;
+- `fail(worker_id, request_id, now, error)`: the backend could not run a prefill;
+- `tick(now)`: periodic hooks (the reconfiguration controller and prefix-cache manager plug
+  in here).
+
+Two collaborators own the rest of the pool's state: `reconfig` (`Reconfigurations`: epochs,
+fresh worker ids, splits and merges in progress and their log) and `copies` (`PrefixCopies`:
+prefix copies in flight, reclamations pending and their logs). The scheduler's own
+`begin_reconfiguration` / `finish_reconfiguration` do what touches its queues (drain, re-route,
+swap workers); copies are asked for through `copies` directly.
+
+Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
+`RequestRecord` given to the listener, completed or failed with an explicit error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from serving.policy.backend import Backend, PrefillResult
+from serving.policy.prefix_index import PendingPrefixes, PrefixIndex
+from serving.policy.reconfiguration import Reconfiguration, Reconfigurations
+from serving.policy.replication import PrefixCopies
+from serving.policy.request import Request, RequestRecord
+from serving.policy.router import Router
+from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
+
+
+class CostModel(Protocol):
+    """Predicted prefill time; `serving.policy.cost_model.PrefillCostModel` implements it."""
+
+    def predict(self, cp_degree: int, input_len: int, cached_len: int) -> float: ...
+
+
+@dataclasses.dataclass(slots=True)
+class _Placement:
+    worker: WorkerState
+    estimate: float
+    predicted_cached_len: int
+    global_cached_len: int = 0
+    start_time: float | None = None
+
+
+class Scheduler:
+    """Routes requests to workers and keeps their queues; see the module docstring.
+
+    Args:
+      workers: the pool's initial workers (unique ids).
+      cost_model: predicts prefill seconds for (cp_degree, input_len, cached_len).
+      router: picks a worker among the eligible ones.
+      backend: runs prefills (`Backend`).
+      listener: called once per finished request with its `RequestRecord`.
+      prefix_index: the cluster's block-holder index (a fresh one by default).
+
+    Raises:
+      ValueError: duplicate worker ids, or an empty pool.
+    """
+
+    def __init__(self, workers: Sequence[WorkerSpec], cost_model: CostModel, router: Router,
+                 backend: Backend, listener: Callable[[RequestRecord], None] | None = None,
+                 prefix_index: PrefixIndex | None = None) -> None:
+        if not workers:
+            raise ValueError("workers must name at least one worker")
+        ids = [w.worker_id for w in workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {ids}")
+        self.cost_model = cost_model
+        self.router = router
+        self.backend = backend
+        self.listener = listener or (lambda record: None)
+        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        # Blocks promised by queued and running prefills, for routers that ask for them.
+        self.pending = PendingPrefixes()
+        self._record_index: PrefixIndex | None = None  # the index `_record` belongs to
+        self._record: Callable[..., None] | None = None  # its `record` (demand statistics)
+        self.reconfig = Reconfigurations(next_worker_id=max(ids) + 1)
+        self.workers: dict[int, WorkerState] = {}
+        for spec in sorted(workers, key=lambda s: s.worker_id):
+            self.workers[spec.worker_id] = WorkerState(spec, epoch=self.reconfig.epoch)
+            self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
+        self.tick_hooks: list[Callable[[Scheduler, float], None]] = []
+        self.submit_hooks: list[Callable[[Request, float], None]] = []
+        # Called after each placement with (request, expected cached tokens, now).
+        self.placement_hooks: list[Callable[[Request, int, float], None]] = []
+        # Called with (request, worker id, now) when a request leaves its worker's queue, just
+        # before the backend starts its prefill (e.g. a router fetching the prefix for it).
+        self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
+        self.copies = PrefixCopies(self.workers, self.prefix_index, backend)
+        self._placements: dict[str | int, _Placement] = {}
+        self._pending: deque[Request] = deque()
+        self.num_submitted = 0
+        self.num_completed = 0
+        self.num_failed = 0
+        bind = getattr(router, "bind", None)
+        if bind is not None:  # routers that need the cost model, the index or the hooks
+            bind(self)
+        self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet ended (queued, running or pending)."""
+        return self.num_submitted - self.num_completed - self.num_failed
+
+    def eligible(self, request: Request) -> tuple[list[WorkerState], list[int]]:
+        """ACTIVE workers able to hold `request`, and per worker its matched leading blocks.
+
+        A cache miss never excludes a worker; only status, length and KV capacity do.
+        """
+        return self._eligible(request, False)[:2]
+
+    def _eligible(self, request: Request, with_global: bool
+                  ) -> tuple[list[WorkerState], list[int], int]:
+        """`eligible` plus, when `with_global`, the request's global match (blocks held by
+        some worker, `PrefixIndex.global_match_blocks`; else 0), from one pass over the index."""
+        n = request.input_len
+        need = -(-n // request.block_size)
+        active = WorkerStatus.ACTIVE
+        candidates, ids = [], []
+        for w in self.workers.values():
+            spec = w.spec
+            if w.status is active and n <= spec.max_input_len and need <= spec.kv_capacity_blocks:
+                candidates.append(w)
+                ids.append(spec.worker_id)
+        if not candidates:
+            return candidates, [], 0
+        hashes, limit = request.block_hashes, (n - 1) // request.block_size  # max_cacheable_blocks
+        index = self.prefix_index
+        if not with_global:
+            matched, global_blocks = index.match_blocks(hashes, limit, ids), 0
+        elif hasattr(index, "match_blocks_and_global"):  # `PrefixIndex` and subclasses
+            matched, global_blocks = index.match_blocks_and_global(hashes, limit, ids)
+        else:
+            matched = index.match_blocks(hashes, limit, ids)
+            global_blocks = index.global_match_blocks(hashes, limit)
+        if self._use_pending:
+            matched = self.pending.extend_matches(hashes, limit, ids, matched)
+        return candidates, matched, global_blocks
+
+    # ----------------------------------------------------------------------------- events
+    def submit(self, request: Request, now: float) -> int | None:
+        """Routes `request` and reserves its predicted prefill time on the chosen worker.
+
+        Returns:
+          The chosen worker id; None when the request waits for a worker (every worker that
+          could hold it is draining or unavailable) or failed because no worker can ever hold
+          it (then the listener has its failed record).
+
+        Raises:
+          ValueError: `request.request_id` is already in flight.
+        """
+        if request.request_id in self._placements or (self._pending and any(
+                r.request_id == request.request_id for r in self._pending)):
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        for hook in self.submit_hooks:
+            hook(request, now)
+        self.num_submitted += 1
+        try:
+            return self._route(request, now)
+        except Exception:
+            self.num_submitted -= 1  # a router or cost-model error: the request was not taken
+            raise
+
+    def complete(self, worker_id: int, request_id: str | int, now: float,
+                 result: PrefillResult) -> None:
+        """The backend finished `request_id` on `worker_id` at `now`.
+
+        Raises:
+          ValueError: the worker is not running that request (a protocol error of the backend).
+        """
+        worker, placement, request = self._take_running(worker_id, request_id)
+        index = self.prefix_index
+        if result.evicted_blocks:
+            index.evict(worker_id, result.evicted_blocks)
+        if result.inserted_blocks:
+            index.insert(worker_id, result.inserted_blocks)
+        self.num_completed += 1
+        self.listener(RequestRecord(
+            request, worker_id, worker.spec.cp_degree, worker.epoch,
+            placement.start_time, result.finish_time, result.first_token_time, result.cached_len,
+            placement.predicted_cached_len, placement.estimate, None, result.first_token,
+            placement.global_cached_len))
+        self._after_run(worker, now)
+
+    def kv_events(self, worker_id: int, inserted: Sequence[int], evicted: Sequence[int]) -> None:
+        """A worker's prefix cache changed outside a completion (e.g. blocks evicted to make room
+        when a prefill starts): applies the events to the prefix index, evictions first."""
+        if worker_id not in self.workers:
+            return  # the worker left the pool; its blocks went with it
+        if evicted:
+            self.prefix_index.evict(worker_id, evicted)
+        if inserted:
+            self.prefix_index.insert(worker_id, inserted)
+
+    def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
+        """The backend could not prefill `request_id` on `worker_id`; the request fails.
+
+        Raises:
+          ValueError: the worker is not running that request.
+        """
+        worker, placement, request = self._take_running(worker_id, request_id)
+        self.num_failed += 1
+        self.listener(RequestRecord(
+            request, worker_id, worker.cp_degree, worker.epoch,
+            placement.start_time, now, None, 0, placement.predicted_cached_len,
+            placement.estimate, error, None, placement.global_cached_len))
+        self._after_run(worker, now)
+
+    def tick(self, now: float) -> None:
+        """Runs the periodic hooks, then retries requests waiting for a worker."""
+        for hook in self.tick_hooks:
+            hook(self, now)
+        self._retry_pending(now)
+
+    # ----------------------------------------------------------------------------- split / merge
+    @property
+    def epoch(self) -> int:
+        """The latest epoch (`Reconfigurations.epoch`)."""
+        return self.reconfig.epoch
+
+    @property
+    def composition(self) -> list[int]:
+        """CP degrees of the pool's workers in device order (draining ones included)."""
+        return [w.cp_degree for w in sorted(self.workers.values(), key=lambda w: w.spec.first_device)]
+
+    def new_worker_ids(self, n: int) -> tuple[int, ...]:
+        """`n` fresh worker ids (never reused; `Reconfigurations.new_worker_ids`)."""
+        return self.reconfig.new_worker_ids(n)
+
+    def begin_reconfiguration(self, kind: str, old_ids: Sequence[int],
+                              new_specs: Sequence[WorkerSpec], now: float) -> Reconfiguration:
+        """Starts a split or merge: drain `old_ids`, later replace them by `new_specs`.
+
+        The old workers stop taking placements at once; their queued (not started) requests
+        are re-routed through the router; a running prefill finishes under the old geometry.
+        When every old worker is idle the backend's `recarve(reconfiguration, now)` runs, and
+        `finish_reconfiguration` activates the new workers under a new epoch.
+
+        Raises:
+          ValueError: (nothing changed) the change is not a legal split or merge of the pool
+            (`Reconfigurations.check` says which rule it breaks).
+        """
+        olds = self.reconfig.check(kind, old_ids, new_specs, self.workers)
+        rec = self.reconfig.open(kind, old_ids, new_specs, now)
+        requeue = []
+        for w in olds:
+            w.status = WorkerStatus.DRAINING
+            while w.queue:
+                r = w.queue.popleft()
+                del self._placements[r.request_id]
+                if self._use_pending:
+                    self.pending.remove(w.worker_id, r.block_hashes[:r.full_blocks])
+                requeue.append(r)
+            w.queued_seconds = 0.0
+        for r in sorted(requeue, key=lambda r: r.arrival_time):
+            self._route(r, now)
+        self._maybe_recarve(rec, now)
+        return rec
+
+    def finish_reconfiguration(self, epoch: int, now: float,
+                               cached_blocks: dict[int, Sequence[int]]) -> None:
+        """The backend re-carved: the old workers leave, the new ones become ACTIVE.
+
+        Args:
+          epoch: the reconfiguration's epoch.
+          now: seconds.
+          cached_blocks: per new worker id, the block hashes it holds after the change
+            (retained prefixes stay resident; DESIGN.md "Cluster-level loops").
+
+        Raises:
+          ValueError: no reconfiguration of that epoch is re-carving.
+        """
+        rec = self.reconfig.close(epoch)
+        for wid in rec.old_ids:
+            del self.workers[wid]
+            self.prefix_index.drop_worker(wid)
+        for spec in rec.new_specs:
+            self.workers[spec.worker_id] = WorkerState(spec, epoch=epoch)
+            self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
+            self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
+        self.reconfig.record(rec, now, self.composition)
+        self._retry_pending(now)
+
+    def _maybe_recarve(self, rec: Reconfiguration, now: float) -> None:
+        if rec.recarve_started is None and all(self.workers[w].running is None for w in rec.old_ids):
+            rec.recarve_started = now
+            self.backend.recarve(rec, now)
+
+    # ----------------------------------------------------------------------------- internals
+    def _route(self, request: Request, now: float) -> int | None:
+        index = self.prefix_index
+        if index is not self._record_index:  # looked up once per index (hot path)
+            self._record_index, self._record = index, getattr(index, "record", None)
+        record = self._record
+        candidates, matched, global_blocks = self._eligible(request, record is not None)
+        if not candidates:
+            if any(w.can_hold(request) for w in self.workers.values()) or \
+                    self.reconfig.will_hold(request):
+                self._pending.append(request)  # a draining worker or one being re-carved
+                return None
+            largest = max(w.spec.max_input_len for w in self.workers.values())
+            self._fail_unplaced(request, now, (
+                f"input_len={request.input_len} tokens cannot be held by any worker "
+                f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
+            return None
+        i = self.router.choose(request, candidates, matched, now)
+        worker = candidates[i]
+        spec, bs, m = worker.spec, request.block_size, matched[i]
+        cached = m * bs
+        estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
+        placement = _Placement(worker, estimate, cached)
+        if record is not None:  # the global trie keeps demand statistics
+            g = max(global_blocks, m)
+            record(request, spec.cp_degree, g, m)
+            placement.global_cached_len = g * bs
+        self._placements[request.request_id] = placement
+        if self._use_pending:
+            self.pending.add(spec.worker_id, request.block_hashes[:request.input_len // bs])
+        worker.queue.append(request)
+        worker.queued_seconds += estimate
+        for hook in self.placement_hooks:
+            hook(request, cached, now)
+        if worker.running is None:
+            self._dispatch(worker, now)
+        return spec.worker_id
+
+    def _dispatch(self, worker: WorkerState, now: float) -> None:
+        if worker.running is not None or not worker.queue:
+            return
+        request = worker.queue.popleft()
+        placement = self._placements[request.request_id]
+        worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
+        worker.running = request
+        worker.running_start = now
+        worker.running_estimate = placement.estimate
+        placement.start_time = now
+        if self.dispatch_hooks:
+            for hook in self.dispatch_hooks:
+                hook(request, worker.spec.worker_id, now)
+        self.backend.start_prefill(worker.spec.worker_id, request, now)
+
+    def _take_running(self, worker_id: int,
+                      request_id: str | int) -> tuple[WorkerState, _Placement, Request]:
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.running is None or worker.running.request_id != request_id:
+            raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
+        request = worker.running
+        if self._use_pending:
+            full = request.input_len // request.block_size
+            self.pending.remove(worker_id, request.block_hashes[:full])
+        return worker, self._placements.pop(request_id), request
+
+    def _after_run(self, worker: WorkerState, now: float) -> None:
+        worker.running = None
+        worker.running_estimate = 0.0
+        if worker.status is WorkerStatus.DRAINING:
+            for rec in self.reconfig.involving(worker.worker_id):
+                self._maybe_recarve(rec, now)
+            return
+        self._dispatch(worker, now)
+
+    def _fail_unplaced(self, request: Request, now: float, error: str) -> None:
+        self.num_failed += 1
+        self.listener(RequestRecord(request, finish_time=now, error=error))
+
+    def _retry_pending(self, now: float) -> None:
+        for _ in range(len(self._pending)):
+            self._route(self._pending.popleft(), now)

@@ -1,0 +1,206 @@
+"""Workers of the prefill pool as the policy core sees them: plain data, no devices.
+
+A worker is a group of `cp_degree` devices `[first_device, first_device + cp_degree)` that
+runs context-parallel prefill together (DESIGN.md, "Devices, meshes and KV"). Groups are
+aligned (`first_device % cp_degree == 0`) so that split and merge keep buddy groups. The
+scheduler owns each worker's FIFO queue; the backend runs one prefill at a time per worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from serving.policy.request import Request
+
+
+class WorkerStatus(enum.Enum):
+    """Lifecycle of a worker: ACTIVE takes placements; DRAINING finishes what runs, takes
+    nothing new; UNAVAILABLE is not schedulable (a new epoch not yet adopted by every rank)."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Static description of one worker.
+
+    Attributes:
+      worker_id: unique non-negative int within a pool (never reused after split/merge).
+      cp_degree: devices in the CP group, a power of two >= 1.
+      first_device: index of the group's first device; must be a multiple of `cp_degree`.
+      kv_capacity_blocks: KV blocks the worker can hold in total (all ranks together), >= 1.
+      max_input_len: longest prompt (tokens) the worker accepts, >= 1.
+    """
+
+    worker_id: int
+    cp_degree: int
+    first_device: int
+    kv_capacity_blocks: int
+    max_input_len: int
+
+    def __post_init__(self) -> None:
+        if self.worker_id < 0:
+            raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
+        if self.cp_degree < 1 or self.cp_degree & (self.cp_degree - 1):
+            raise ValueError(f"cp_degree must be a power of two >= 1, got {self.cp_degree}")
+        if self.first_device < 0 or self.first_device % self.cp_degree:
+            raise ValueError(
+                f"first_device must be a non-negative multiple of cp_degree={self.cp_degree} "
+                f"(aligned group), got {self.first_device}")
+        if self.kv_capacity_blocks < 1:
+            raise ValueError(f"kv_capacity_blocks must be >= 1, got {self.kv_capacity_blocks}")
+        if self.max_input_len < 1:
+            raise ValueError(f"max_input_len must be >= 1 token, got {self.max_input_len}")
+
+    @property
+    def devices(self) -> range:
+        """Device indices of the group, `[first_device, first_device + cp_degree)`."""
+        return range(self.first_device, self.first_device + self.cp_degree)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class WorkerState:
+    """Mutable scheduling state of one worker (owned by the `Scheduler`).
+
+    Attributes:
+      spec: the static `WorkerSpec`.
+      epoch: configuration epoch under which the worker was created.
+      status: `WorkerStatus`.
+      queue: requests placed on the worker and not yet started, FIFO.
+      running: the request whose prefill runs now, or None.
+      running_start: when `running` started (seconds).
+      running_estimate: predicted prefill seconds of `running`.
+      queued_seconds: sum of the predicted prefill seconds of `queue` (the reservation).
+    """
+
+    spec: WorkerSpec
+    epoch: int = 0
+    status: WorkerStatus = WorkerStatus.ACTIVE
+    queue: deque = dataclasses.field(default_factory=deque)
+    running: Request | None = None
+    running_start: float = 0.0
+    running_estimate: float = 0.0
+    queued_seconds: float = 0.0
+
+    @property
+    def worker_id(self) -> int:
+        return self.spec.worker_id
+
+    @property
+    def cp_degree(self) -> int:
+        return self.spec.cp_degree
+
+    def outstanding_seconds(self, now: float) -> float:
+        """Predicted queueing delay `Q_w` for a request placed now, in seconds.
+
+        The reserved work of the queue plus the predicted remainder of the running prefill
+        (never negative when it overruns its estimate).
+        """
+        q = self.queued_seconds
+        if self.running is not None:
+            q += max(0.0, self.running_estimate - (now - self.running_start))
+        return q
+
+    @property
+    def outstanding_requests(self) -> int:
+        """Requests placed on this worker and not finished (queued + running)."""
+        return len(self.queue) + (self.running is not None)
+
+    def can_hold(self, request: Request) -> bool:
+        """True when the worker can ever prefill `request` (length and KV capacity)."""
+        return (request.input_len <= self.spec.max_input_len
+                and -(-request.input_len // request.block_size) <= self.spec.kv_capacity_blocks)
+
+
+def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_len: int,
+                   first_worker_id: int = 0) -> list[WorkerSpec]:
+    """Lays CP groups of the given degrees onto devices 0.. in aligned groups.
+
+    Groups are placed largest degree first, so every group is aligned (powers of two packed in
+    decreasing order never straddle a boundary). Each worker's KV capacity is
+    `kv_blocks_per_device * cp_degree` blocks (blocks are striped over its ranks).
+
+    Args:
+      degrees: CP degree of each worker, e.g. `[4, 2, 2]`; each a power of two >= 1.
+      kv_blocks_per_device: KV blocks one device holds, >= 1.
+      max_input_len: longest prompt any worker accepts (tokens).
+      first_worker_id: id of the first worker; the others follow in order.
+
+    Returns:
+      `WorkerSpec`s in device order.
+
+    Raises:
+      ValueError: an empty composition or a degree that is not a power of two.
+    """
+    if not degrees:
+        raise ValueError("degrees must name at least one worker")
+    for c in degrees:
+        if not isinstance(c, int) or c < 1 or c & (c - 1):
+            raise ValueError(f"each CP degree must be a power of two >= 1, got {c!r} in {list(degrees)}")
+    specs = []
+    device = 0
+    for i, c in enumerate(sorted(degrees, reverse=True)):
+        specs.append(WorkerSpec(first_worker_id + i, c, device, kv_blocks_per_device * c, max_input_len))
+        device += c
+    return specs
+
+
+def homogeneous_degrees(num_devices: int, cp_degree: int) -> list[int]:
+    """`num_devices // cp_degree` workers of one degree.
+
+    Raises:
+      ValueError: when `cp_degree` does not divide `num_devices` or is not a power of two.
+    """
+    if cp_degree < 1 or cp_degree & (cp_degree - 1):
+        raise ValueError(f"cp_degree must be a power of two >= 1, got {cp_degree}")
+    if num_devices < cp_degree or num_devices % cp_degree:
+        raise ValueError(
+            f"num_devices={num_devices} must be a positive multiple of cp_degree={cp_degree}")
+    return [cp_degree] * (num_devices // cp_degree)
+
+
+def split_halves(spec: WorkerSpec, new_ids: tuple[int, int], max_input_len: Callable[[int], int]
+                 ) -> tuple[WorkerSpec, WorkerSpec]:
+    """The two aligned halves of a degree-2C worker (DESIGN.md: split keeps buddy groups).
+
+    KV capacity per device is kept; each half gets `max_input_len(C)`.
+
+    Raises:
+      ValueError: the worker has degree 1 (nothing to split).
+    """
+    if spec.cp_degree < 2:
+        raise ValueError(f"worker {spec.worker_id} has cp_degree=1 and cannot be split")
+    c = spec.cp_degree // 2
+    per_device = spec.kv_capacity_blocks // spec.cp_degree
+    return tuple(WorkerSpec(wid, c, spec.first_device + k * c, per_device * c, max_input_len(c))
+                 for k, wid in enumerate(new_ids))
+
+
+def are_buddies(a: WorkerSpec, b: WorkerSpec) -> bool:
+    """True when `a` and `b` are the two halves of one aligned group of degree 2C."""
+    c = a.cp_degree
+    if b.cp_degree != c:
+        return False
+    lo = min(a.first_device, b.first_device)
+    return abs(a.first_device - b.first_device) == c and lo % (2 * c) == 0
+
+
+def merge_buddies(a: WorkerSpec, b: WorkerSpec, new_id: int,
+                  max_input_len: Callable[[int], int]) -> WorkerSpec:
+    """The degree-2C worker made of buddies `a` and `b`.
+
+    Raises:
+      ValueError: `a` and `b` are not buddies (not the two halves of one aligned group).
+    """
+    if not are_buddies(a, b):
+        raise ValueError(f"workers {a.worker_id} (C={a.cp_degree}, devices from {a.first_device}) "
+                         f"and {b.worker_id} (C={b.cp_degree}, devices from {b.first_device}) are not "
+                         "buddies: merge needs the two aligned halves of one group")
+    c = 2 * a.cp_degree
+    per_device = a.kv_capacity_blocks // a.cp_degree
+    return WorkerSpec(new_id, c, min(a.first_device, b.first_device), per_device * c, max_input_len(c))
