@@ -64,7 +64,7 @@ class Backend(Protocol):
         """Copies `replication.chain[replication.start:]` from its source to its destination.
 
         Must not block. When the copy has completed, calls
-        `PrefixCopies.finish(replication, now, inserted, evicted)` with the
+        `scheduler.copies.finish(replication, now, inserted, evicted)` with the
         destination cache's changes. Backends without replication may raise NotImplementedError.
         """
         ...
@@ -72,6 +72,6 @@ class Backend(Protocol):
     def reclaim(self, worker_id: int, chain, now: float) -> None:
         """Frees the worker's copy of the tail of `chain` no other cached prefix depends on.
 
-        Calls `PrefixCopies.copies.finish_reclaim(worker_id, chain, now, evicted)` once freed.
+        Calls `scheduler.copies.finish_reclaim(worker_id, chain, now, evicted)` once freed.
         """
         ...

@@ -102,9 +102,8 @@ class PrefixCopies:
         self.log: list[dict] = []
         self.reclaim_log: list[dict] = []
 
-    def begin(self, src: int, dst: int, chain: Sequence[int], block_size: int,
-                          now: float, reason: str = "intra-degree",
-                          request_id: str | int | None = None) -> Replication:
+    def begin(self, src: int, dst: int, chain: Sequence[int], block_size: int, now: float,
+              reason: str = "intra-degree", request_id: str | int | None = None) -> Replication:
         """Starts copying the prefix `chain` from `src` to `dst` (only the missing blocks).
 
         `request_id` names the request whose prefill waits for the copy (reason
@@ -174,14 +173,13 @@ class PrefixCopies:
             return None
         src = others[held[1:].index(best)]
         try:
-            return self.begin(src, dst, request.block_hashes[:best],
-                                          request.block_size, now, reason="request-transfer",
-                                          request_id=request.request_id)
+            return self.begin(src, dst, request.block_hashes[:best], request.block_size, now,
+                              reason="request-transfer", request_id=request.request_id)
         except (ValueError, NotImplementedError):
             return None
 
     def finish(self, rep: Replication, now: float, inserted: Sequence[int],
-                           evicted: Sequence[int]) -> None:
+               evicted: Sequence[int]) -> None:
         """The backend finished a copy: the destination's new blocks become visible.
 
         `inserted` / `evicted` are the destination cache's changes. A destination that left the
@@ -198,7 +196,7 @@ class PrefixCopies:
             if inserted:
                 self._index.insert(rep.dst, inserted)
         self.log.append({"src": rep.src, "dst": rep.dst, "blocks": rep.num_blocks,
-                                     "reason": rep.reason, "started": rep.started, "finished": now})
+                         "reason": rep.reason, "started": rep.started, "finished": now})
 
     def begin_reclaim(self, worker_id: int, chain: Sequence[int], now: float) -> None:
         """Asks the backend to free `worker_id`'s copy of the prefix tail `chain`.

@@ -78,15 +78,15 @@ class Scheduler:
             raise ValueError(f"worker ids must be unique, got {ids}")
         self.cost_model = cost_model
         self.router = router
-        self.backend = backend
+        self._backend = backend
         self.listener = listener or (lambda record: None)
-        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        self._prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         # Blocks promised by queued and running prefills, for routers that ask for them.
         self.pending = PendingPrefixes()
         self._record_index: PrefixIndex | None = None  # the index `_record` belongs to
         self._record: Callable[..., None] | None = None  # its `record` (demand statistics)
         self.reconfig = Reconfigurations(next_worker_id=max(ids) + 1)
-        self.workers: dict[int, WorkerState] = {}
+        self._workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
             self.workers[spec.worker_id] = WorkerState(spec, epoch=self.reconfig.epoch)
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
@@ -109,6 +109,22 @@ class Scheduler:
         self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
 
     # ----------------------------------------------------------------------------- queries
+    @property
+    def workers(self) -> dict[int, WorkerState]:
+        """The pool's workers by id (the scheduler changes it; the dict itself stays, as
+        `copies` and the backends hold it)."""
+        return self._workers
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        """The cluster's block-holder index, fixed at construction (`copies` reads it too)."""
+        return self._prefix_index
+
+    @property
+    def backend(self) -> Backend:
+        """The backend that runs prefills, copies and re-carves, fixed at construction."""
+        return self._backend
+
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet ended (queued, running or pending)."""

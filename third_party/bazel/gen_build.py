@@ -29,8 +29,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("pallas_kernels", "mesh", "vertumnus_jax", "serving", "eval")
 FIRST_PARTY = PACKAGES + ("tests",)
-# Attributes the imports do not show, by label.
-EXTRA = {"//serving:server": {"data": ['"data/tiny_cpu8.csv"']}}
+# Attributes the imports do not show, by label (a list is added to the generated one).
+EXTRA = {
+    "//serving:server": {"data": ['"data/tiny_cpu8.csv"']},
+    # runs `python -m serving.main` in a subprocess
+    "//tests/serving:test_main": {"deps": ['"//serving:main"']},
+}
 
 
 def _module_label(dotted: str) -> str | None:
@@ -43,6 +47,8 @@ def _module_label(dotted: str) -> str | None:
         pkg = "/".join(parts[:-1])
         return f"//{pkg}:{parts[-1]}"
     if (path / "__init__.py").is_file():
+        if parts == ["tests"]:
+            return "//tests:pytest_support"
         return f"//{'/'.join(parts)}:{parts[-1]}" if parts[0] != "tests" else \
             f"//{'/'.join(parts)}:init"
     return None
@@ -128,13 +134,14 @@ def package_build(folder: pathlib.Path) -> str:
         name = folder.name if mod.name == "__init__.py" else mod.stem
         label = f"//{pkg}:{name}"
         attrs = [("name", f'"{name}"'), ("srcs", _q([mod.name])), ("srcs_version", '"PY3"')]
-        for key, value in EXTRA.get(label, {}).items():
-            attrs.append((key, value))
-        attrs.append(("deps", _q(_deps(imports(mod), pkg, label))))
+        extra = EXTRA.get(label, {})
+        attrs += [(k, v) for k, v in extra.items() if k != "deps"]
+        attrs.append(("deps", _q(_deps(imports(mod), pkg, label)) + extra.get("deps", [])))
         rules.append((name, _rule("py_library", attrs)))
         if mod.name != "__init__.py" and _has_main(mod):
-            rules.append((f"{name}_main", _rule("py_binary", [
-                ("name", f'"{name}_main"'), ("srcs", _q([mod.name])), ("main", f'"{mod.name}"'),
+            binary = f"{folder.name}_main" if name == "main" else f"{name}_main"
+            rules.append((binary, _rule("py_binary", [
+                ("name", f'"{binary}"'), ("srcs", _q([mod.name])), ("main", f'"{mod.name}"'),
                 ("python_version", '"PY3"'), ("deps", _q([f":{name}"]))])))
     head = _header(folder / "BUILD", f"# {pkg}/: one py_library per module "
                                      "(third_party/bazel/gen_build.py).")
@@ -165,11 +172,13 @@ def tests_build(folder: pathlib.Path) -> str:
             continue
         label = f"//{pkg}:{mod.stem}"
         deps = imports(mod) | set(inits)
+        extra = EXTRA.get(label, {})
         if mod.name.startswith("test_"):
             rules.append(_rule("pytest_test", [
                 ("name", f'"{mod.stem}"'), ("srcs", _q([mod.name])),
                 ("size", f'"{sizes.get(mod.stem, "medium")}"'),
-                ("deps", _q(_deps(deps, pkg, label)))]))
+                ("deps", _q(_deps(deps, pkg, label)) + extra.get("deps", [])),
+                *((k, v) for k, v in extra.items() if k != "deps")]))
         else:
             rules.append(_rule("py_library", [
                 ("name", f'"{mod.stem}"'), ("visibility", '["//tests:__subpackages__"]'),
@@ -186,8 +195,9 @@ def expected() -> dict[pathlib.Path, str]:
     for top in PACKAGES:
         for init in sorted((ROOT / top).rglob("__init__.py")):
             out[init.parent / "BUILD"] = package_build(init.parent)
-    for init in sorted((ROOT / "tests").rglob("__init__.py")):
-        if init.parent != ROOT / "tests" and any(init.parent.glob("test_*.py")):
+    for init in sorted((ROOT / "tests").rglob("__init__.py")):  # folders holding any module
+        if init.parent != ROOT / "tests" and any(
+                p.name not in ("__init__.py", "conftest.py") for p in init.parent.glob("*.py")):
             out[init.parent / "BUILD"] = tests_build(init.parent)
     return out
 

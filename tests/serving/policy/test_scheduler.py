@@ -191,3 +191,15 @@ def test_shared_blocks_must_be_set_like():
     with pytest.raises(TypeError, match="set-like"):
         idx.share_blocks(0, [1, 2, 3])
     assert idx.num_blocks(0) == 0
+
+
+def test_collaborators_share_the_schedulers_state_which_is_fixed():
+    """`reconfig` and `copies` own their state; the workers, index and backend they read are the
+    scheduler's own objects, which cannot be swapped under them."""
+    s, backend, _ = make((2, 2))
+    assert s.copies._workers is s.workers and s.copies._index is s.prefix_index
+    for name, value in (("workers", {}), ("prefix_index", PrefixIndex()), ("backend", backend)):
+        with pytest.raises(AttributeError):
+            setattr(s, name, value)
+    assert s.epoch == s.reconfig.epoch == 0 and s.new_worker_ids(2) == (2, 3)
+    assert s.reconfig.new_worker_ids(1) == (4,)  # one counter, owned by `reconfig`
