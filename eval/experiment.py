@@ -15,84 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 from eval.sim.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
 from eval.sim.simulator import SimConfig, intern_block_hashes, simulate
 from eval.slo import SloSpec, assign_slos
-from eval.systems import Demand, PoolConfig, System, build_system, expand_systems
-from eval.traces.workloads import prefix_hit_tokens, scale_to_rate
+from eval.systems import Demand, PoolConfig, System, build_system
+from eval.offered_load import OpenLoad, offered_load
+from eval.replay_config import ReplayConfig
+from eval.traces.sessions import SessionWorkload
+from eval.traces.workloads import prefix_hit_tokens
 from serving.policy.cost_model import PrefillCostModel
-from serving.policy.profiles import GPUS, MODELS, ProfileTable, generate_profile, read_profile_csv
+from serving.policy.profiles import (FULL_COVERAGE_FRACTION, GPUS, MODELS, ProfileTable,
+                                     coverage_gaps, generate_profile, read_profile_csv)
 from serving.policy.request import Request, RequestRecord
 from serving.policy.scheduler import Scheduler
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplayConfig:
-    """Everything that defines one comparison (the flags of `eval.replay`).
-
-    Attributes:
-      gpu, model: names in `serving.policy.profiles.GPUS` / `MODELS` for the analytic profile and the
-        KV sizes.
-      profile_csv: a measured profile (columns cp,input_len,cached_len,seconds) used instead of
-        the analytic one; None for analytic.
-      num_gpus: GPU budget of every system.
-      degrees: CP degrees for the `homogeneous` shorthand (one system per degree).
-      systems: system names (`eval.systems.build_system`).
-      rates: request rates to sweep, req/s; when empty, `load_factors` set them.
-      load_factors: rate = factor * capacity rate, where the capacity rate is the rate at which
-        the GPU budget is exactly busy if every request ran cold at the smallest degree of the
-        run: `num_gpus / mean_i(C_min * T(C_min, L_i, 0))`. Prefix hits make the real load lower.
-      slo: SLO spec (`eval.slo.SloSpec.parse`).
-      noise_sigma: std-dev of the lognormal noise on ground-truth prefill times (0 = none).
-      seed: seeds the noise.
-      kv_blocks_per_gpu: KV blocks per device; 0 derives it from HBM: `(hbm_gb * 1e9 *
-        hbm_utilization - weight_bytes) / (kv_bytes_per_token * block_size)` (each device holds a
-        full weight replica, DESIGN.md).
-      hbm_utilization: share of HBM usable by weights and KV.
-      sim: `SimConfig` (KV transfer bandwidth, first-token time, tick); its kv_bytes_per_token is
-        filled from the model.
-    """
-
-    gpu: str = "h20"
-    model: str = "qwen3-30b-a3b"
-    profile_csv: str | None = None
-    num_gpus: int = 40
-    degrees: tuple[int, ...] = (2, 4)
-    systems: tuple[str, ...] = ("homogeneous",)
-    rates: tuple[float, ...] = ()
-    load_factors: tuple[float, ...] = (0.8, 1.2, 1.6)
-    slo: str = "scale:5"
-    noise_sigma: float = 0.05
-    seed: int = 0
-    kv_blocks_per_gpu: int = 0
-    hbm_utilization: float = 0.9
-    sim: SimConfig = SimConfig()
-
-    def __post_init__(self) -> None:
-        if self.gpu not in GPUS:
-            raise ValueError(f"gpu={self.gpu!r} is not known; choose from {sorted(GPUS)}")
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r} is not known; choose from {sorted(MODELS)}")
-        if self.num_gpus < 1:
-            raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
-        if any(r <= 0 for r in self.rates):
-            raise ValueError(f"rates must all be > 0 req/s, got {list(self.rates)}")
-        if not self.rates and (not self.load_factors or any(f <= 0 for f in self.load_factors)):
-            raise ValueError(f"load_factors must be non-empty and > 0, got {list(self.load_factors)}")
-        if self.noise_sigma < 0:
-            raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")
-        if self.kv_blocks_per_gpu < 0:
-            raise ValueError(f"kv_blocks_per_gpu must be >= 0 (0 = derive), got {self.kv_blocks_per_gpu}")
-        if not 0 < self.hbm_utilization <= 1:
-            raise ValueError(f"hbm_utilization must be in (0, 1], got {self.hbm_utilization}")
-        SloSpec.parse(self.slo)
-
-    @property
-    def system_names(self) -> list[str]:
-        return expand_systems(self.systems, self.degrees)
 
 
 @dataclasses.dataclass
@@ -142,6 +81,16 @@ class ReplayEnv:
         model = MODELS[cfg.model]
         if cfg.profile_csv:
             table = read_profile_csv(cfg.profile_csv)
+            gaps = coverage_gaps(table)
+            if gaps:
+                shown = ", ".join(f"C={c} L={L} (to {f:.0%})" for c, L, f in gaps[:8])
+                warnings.warn(
+                    f"{cfg.profile_csv}: {len(gaps)} profile rows stop below a "
+                    f"{FULL_COVERAGE_FRACTION:.0%} cached fraction: {shown}"
+                    f"{', ...' if len(gaps) > 8 else ''}; prefills with more of the prompt cached "
+                    f"are charged those rows' largest-fraction times (an over-charge; measure up "
+                    f"to 0.99 with vertumnus_jax.profile --cached_fractions=0,0.5,0.9,0.99)",
+                    stacklevel=2)
         else:  # the run's --degrees too: the SLO reference is the largest of them
             degrees = sorted(set(degrees) | set(cfg.degrees))
             table = generate_profile(cfg.gpu, cfg.model, degrees=tuple(degrees))
@@ -248,10 +197,15 @@ class ReplayEnv:
 
     def capacity_rate(self, requests: Sequence[Request], min_degree: int) -> float:
         """Req/s at which `num_gpus` are exactly busy running every request cold at `min_degree`."""
+        return OpenLoad(requests).capacity_rate(
+            functools.partial(self.gpu_seconds, min_degree=min_degree), self.pool.num_gpus)
+
+    def gpu_seconds(self, request: Request, cached_len: int, min_degree: int) -> float:
+        """GPU-seconds of `request` at `min_degree` with `cached_len` tokens cached (noise-free
+        ground truth; prompts past the profile's longest charged at that length)."""
         truth = self.exact_truth
-        cap = truth.max_input_len(min_degree)
-        gpu_s = [min_degree * truth.seconds(min_degree, min(r.input_len, cap), 0) for r in requests]
-        return self.pool.num_gpus * len(gpu_s) / sum(gpu_s)
+        n = min(request.input_len, truth.max_input_len(min_degree))
+        return min_degree * truth.seconds(min_degree, n, min(cached_len, n - 1))
 
 
 def _kv_blocks_per_gpu(cfg: ReplayConfig, block_size: int, tp_ways: int) -> int:
@@ -292,8 +246,10 @@ def run_degrees(cfg: ReplayConfig) -> set[int]:
 
 
 def simulate_system(env: ReplayEnv, cfg: ReplayConfig, system: System,
-                    workload: Sequence[Request]) -> tuple[list[RequestRecord], Scheduler]:
-    """Simulates one built system on a workload with the env's profile of its parallelism.
+                    workload: Sequence[Request], arrivals=None
+                    ) -> tuple[list[RequestRecord], Scheduler]:
+    """Simulates one built system on a workload with the env's profile of its parallelism
+    (`arrivals`: a closed-loop source, `eval.sim.simulator.ArrivalSource`, or None).
 
     Returns:
       `(records, scheduler)`: one record per request, and the run's scheduler (its logs:
@@ -303,11 +259,12 @@ def simulate_system(env: ReplayEnv, cfg: ReplayConfig, system: System,
     handle: list[Scheduler] = []
     records = simulate(workload, system.workers, env.cost_model_for(par), system.router,
                        env.ground_truth(cfg, par).seconds, env.sim, system.tick_hooks,
-                       setup=[*system.setup, handle.append], prefix_index=system.make_prefix_index())
+                       setup=[*system.setup, handle.append], prefix_index=system.make_prefix_index(),
+                       arrivals=arrivals)
     return records, handle[0]
 
 
-def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
+def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cfg: ReplayConfig,
               progress: bool = False,
               on_records: Callable[[str, float, list[RequestRecord]], None] | None = None,
               ) -> tuple[list[dict], ReplayEnv]:
@@ -318,8 +275,12 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
     factors' capacity rate and the SLO reference use the CP profile (of the TP degrees when the
     run has no CP system), so every system of a run sees the same rates and SLOs.
 
+    A request trace is offered open-loop (re-timed to each rate); agent sessions closed-loop,
+    rates and load factors then counting sessions/s (`eval.offered_load`).
+
     Args:
-      requests: the workload, sorted by arrival (its own rate is replaced by each swept rate).
+      requests: the workload: requests sorted by arrival (its own rate is replaced by each
+        swept rate), or a `SessionWorkload`.
       trace_name: a label written into each result.
       cfg: the comparison.
       progress: show a tqdm bar over (system, rate) runs.
@@ -333,18 +294,21 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
     Raises:
       ValueError: an empty workload, or any invalid setting (see `ReplayConfig`).
     """
-    if not requests:
+    load = offered_load(requests, cfg)
+    if not load.requests:
         raise ValueError("the workload has no requests")
     by_par = run_parallel_degrees(cfg)
     tp = by_par.get("tp", set())
     degrees = by_par.get("cp") or tp
-    env = ReplayEnv.build(cfg, requests[0].block_size, degrees, tp)
+    env = ReplayEnv.build(cfg, load.requests[0].block_size, degrees, tp)
     # Dense block ids (same equalities and order, cheaper to hash): see `intern_block_hashes`.
-    with_slo = intern_block_hashes(assign_slos(requests, SloSpec.parse(cfg.slo), env.isolated_ttft))
+    with_slo = load.with_requests(intern_block_hashes(
+        assign_slos(load.requests, SloSpec.parse(cfg.slo), env.isolated_ttft)))
     if cfg.rates:
         rates = [(r, None) for r in cfg.rates]
     else:
-        cap = env.capacity_rate(requests, min(degrees))
+        cap = load.capacity_rate(functools.partial(env.gpu_seconds, min_degree=min(degrees)),
+                                 cfg.num_gpus)
         rates = [(f * cap, f) for f in cfg.load_factors]
     runs = [(name, rate, factor) for name in cfg.system_names for rate, factor in rates]
     if progress:
@@ -354,15 +318,17 @@ def run_sweep(requests: Sequence[Request], trace_name: str, cfg: ReplayConfig,
     demands = {}
     for name, rate, factor in runs:
         if rate not in demands:
-            demands[rate] = env.demand(requests, rate)
+            demands[rate] = env.demand(load.requests, load.request_rate(rate))
         system = env.build_system(name, demands[rate])
         par = system.parallelism
-        records, sched = simulate_system(env, cfg, system, scale_to_rate(with_slo, rate))
+        records, sched = simulate_system(env, cfg, system, *with_slo.at_rate(rate))
         if on_records is not None:
             on_records(name, rate, records)
         out = summarize(records)
+        busy = out["gpu_seconds"] / (cfg.num_gpus * out["duration_s"]) if out["duration_s"] else None
         out.update({
-            "system": name, "trace": trace_name, "request_rate": rate, "load_factor": factor,
+            "gpu_busy_fraction": busy,
+            "system": name, "trace": trace_name, **load.describe(rate), "load_factor": factor,
             "composition": system.composition, "parallelism": par, "num_gpus": cfg.num_gpus,
             "gpu": cfg.gpu, "model": cfg.model,
             "profile": (cfg.profile_csv or "analytic") if par == "cp" else f"analytic-{par}",

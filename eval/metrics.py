@@ -72,6 +72,8 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     tokens_all = sum(r.request.input_len for r in with_slo)
     tokens_met = sum(r.request.input_len for r in met)
     out["requests_with_slo"] = len(with_slo)
+    out["mean_ttft_slo_ms"] = (_ms(np.mean([r.request.ttft_slo for r in with_slo]))
+                               if with_slo else None)
     out["slo_attainment"] = len(met) / len(with_slo) if with_slo else None
     out["token_weighted_slo_attainment"] = tokens_met / tokens_all if tokens_all else None
     out["request_goodput"] = len(met) / duration if with_slo and duration > 0 else None

@@ -11,7 +11,10 @@ table and writes, under `--output_dir`:
 - `<trace>.png`: mean TTFT, P90 TTFT and token-weighted SLO attainment against request rate.
 
 Real traces: `--trace=../shared/traces/mooncake/conversation_trace.jsonl` (format from the
-file: Mooncake JSONL, Azure CSV, L-Eval CSV; or `--trace_format`).
+file: Mooncake JSONL, Azure CSV, L-Eval CSV, a folder of agent sessions; or `--trace_format`).
+Agent sessions (`--trace=../shared/traces/agent_sessions`) are replayed closed-loop: sessions
+start as a Poisson process and each request is sent `think_time` after the previous response
+ended (`eval.traces.sessions`, `eval.offered_load`); rates then count sessions/s.
 """
 
 from __future__ import annotations
@@ -31,12 +34,35 @@ from eval import report
 from eval.experiment import ReplayConfig, run_degrees, run_sweep
 from eval.sim.simulator import SimConfig
 from eval.traces.loaders import load_trace, sample_window
+from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import tool_agent_workload, workload_stats
 from serving.policy.specs import GPUS, MODELS
 
 _TRACE = flags.DEFINE_string("trace", "", "Trace file; empty = the built-in Tool-Agent workload.")
-_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
-                            "Trace format; auto = from the file suffix and CSV header.")
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
+                            "Trace format; auto = a folder is agent sessions, else from the file "
+                            "suffix and CSV header.")
+_TRACE_BLOCK = flags.DEFINE_integer("trace_block_size", 512, "Mooncake-format traces: tokens per "
+                                    "hash_ids entry in the file (512 in Mooncake's own traces; "
+                                    "16 or 64 in other public traces of that format).", lower_bound=1)
+_SESSION_RATE = flags.DEFINE_float("session_rate", 0.0, "Agent sessions: base rate of session "
+                                   "starts (sessions/s) that --load_factors scale; 0 = the "
+                                   "pool's session capacity rate (eval.offered_load).",
+                                   lower_bound=0.0)
+_TPOT = flags.DEFINE_float("tpot_ms", 30.0, "Agent sessions: decode ms per output token, so a "
+                           "response ends output_length x tpot_ms after its first token (why "
+                           "30: eval.replay_config).", lower_bound=0.0)
+_WINDOW_S = flags.DEFINE_float("session_window_s", 3600.0, "Agent sessions: session instances "
+                               "start during this many seconds (each runs to its end).",
+                               lower_bound=1.0)
+_WARM = flags.DEFINE_float("warm_prefix_pct", 0.5, "Agent sessions: this fraction of each "
+                           "session's tool + system prefix is one prefix shared by all sessions, "
+                           "as production keeps it warm (the source replayer's --warm-prefix-pct "
+                           "and default); 0 = sessions share nothing.", lower_bound=0.0,
+                           upper_bound=1.0)
+_MAX_THINK = flags.DEFINE_float("max_think_time_s", 60.0, "Agent sessions: think times are "
+                                "capped here (the source replayer's --max-delay and default): a "
+                                "user away longer starts a new visit.", lower_bound=0.0)
 _BLOCK = flags.DEFINE_integer("block_size", 512, "Tokens per KV block (prefix-cache granularity).",
                               lower_bound=1)
 _SKIP = flags.DEFINE_bool("skip_malformed", False,
@@ -56,7 +82,12 @@ _DEGREES = flags.DEFINE_list("degrees", ["2", "4"], "CP degrees of the run: the 
 _RATES = flags.DEFINE_list("rates", [], "Request rates to sweep (req/s; `native` = the trace's own "
                            "arrival times); overrides --load_factors.")
 _LOADS = flags.DEFINE_list("load_factors", ["0.8", "1.2", "1.6"],
-                           "Rates as multiples of the pool's cold capacity rate (see eval.experiment).")
+                           "Rates as multiples of the pool's cold capacity rate (see eval.experiment); "
+                           "for agent sessions, of the session capacity rate (eval.offered_load), "
+                           "default 0.1,0.25,0.4 there.")
+# Agent sessions hold ~100K-token contexts: the pool's KV caches, not its compute, saturate first
+# (at about 0.5 of the session capacity rate on 40 H20s serving Qwen3-30B-A3B).
+SESSION_LOAD_FACTORS = (0.1, 0.25, 0.4)
 _GPUS = flags.DEFINE_integer("num_gpus", 40, "GPU budget of every system.", lower_bound=1)
 _GPU = flags.DEFINE_enum("gpu", "h20", sorted(GPUS), "GPU of the analytic profile.")
 _MODEL = flags.DEFINE_enum("model", "qwen3-30b-a3b", sorted(MODELS), "Model of the analytic "
@@ -99,9 +130,16 @@ def load_workload():
         name = "toolagent"
     else:
         trace = load_trace(_TRACE.value, fmt=_FORMAT.value, block_size=_BLOCK.value,
-                           skip_malformed=_SKIP.value, rate=_LEVAL_RATE.value, seed=_SEED.value)
+                           skip_malformed=_SKIP.value, rate=_LEVAL_RATE.value, seed=_SEED.value,
+                           trace_block_size=_TRACE_BLOCK.value, warm_prefix_pct=_WARM.value)
         if trace.skipped:
-            print(f"skipped {trace.skipped} malformed lines of {_TRACE.value}")
+            what = "session files" if isinstance(trace, SessionWorkload) else "lines"
+            print(f"skipped {trace.skipped} malformed {what} of {_TRACE.value}")
+        if isinstance(trace, SessionWorkload):
+            if _WINDOW.value > 0:
+                raise ValueError("--window does not apply to agent sessions (replayed whole, "
+                                 "closed-loop); drop it")
+            return trace, trace.name
         reqs, name = trace.requests, trace.name
     if _WINDOW.value > 0:
         reqs = sample_window(reqs, _WINDOW.value, _SEED.value)
@@ -116,7 +154,8 @@ def main(argv):
             degrees = tuple(int(d) for d in _DEGREES.value)
         except ValueError:
             raise ValueError(f"--degrees must be integers, got {_DEGREES.value}") from None
-        for flag in (_FIRST, _XFER, _NOISE, _DURATION, _WINDOW, _LEVAL_RATE):
+        for flag in (_FIRST, _XFER, _NOISE, _DURATION, _WINDOW, _LEVAL_RATE, _SESSION_RATE, _TPOT,
+                     _WINDOW_S, _MAX_THINK):
             if not math.isfinite(flag.value):
                 raise ValueError(f"--{flag.name} must be a finite number, got {flag.value}")
         settings = dict(
@@ -124,17 +163,35 @@ def main(argv):
             num_gpus=_GPUS.value, degrees=degrees, systems=tuple(_SYSTEMS.value),
             load_factors=_floats(_LOADS.value, "load_factors"), slo=_SLO.value,
             noise_sigma=_NOISE.value, seed=_SEED.value, kv_blocks_per_gpu=_KV_BLOCKS.value,
-            sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3))
+            sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3),
+            tpot_ms=_TPOT.value, session_window_s=_WINDOW_S.value,
+            max_think_time_s=_MAX_THINK.value)
         run_degrees(ReplayConfig(**settings))  # unknown systems fail before loading anything
         t0 = time.perf_counter()
         requests, name = load_workload()
         if not requests:
             raise ValueError(f"the workload {name!r} has no requests")
-        stats = workload_stats(requests)
-        cfg = ReplayConfig(**settings, rates=_floats(_RATES.value, "rates", native=stats["rate"]))
-        print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
-              f"mean input {stats['input_mean']:.0f} tokens, prefix reuse with an unbounded shared "
-              f"cache {stats['reuse']:.1%}")
+        sessions = isinstance(requests, SessionWorkload)
+        stats = workload_stats(requests.requests if sessions else requests)
+        if sessions:
+            if "native" in _RATES.value:
+                raise ValueError("--rates=native does not apply to agent sessions (they have no "
+                                 "common clock): give sessions/s, or use --load_factors")
+            if not _LOADS.present:  # agent sessions saturate the KV caches far below factor 1
+                settings["load_factors"] = SESSION_LOAD_FACTORS
+            rates = _floats(_RATES.value, "rates")
+            if not rates and _SESSION_RATE.value > 0:
+                rates = tuple(f * _SESSION_RATE.value for f in settings["load_factors"])
+            print(f"workload {name}: {len(requests.roots)} sessions ({len(requests.sessions)} with "
+                  f"sub-agents), {stats['count']} requests, replayed closed-loop; mean input "
+                  f"{stats['input_mean']:.0f} tokens, prefix reuse with an unbounded shared cache "
+                  f"{stats['reuse']:.1%}")
+        else:
+            rates = _floats(_RATES.value, "rates", native=stats["rate"])
+            print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
+                  f"mean input {stats['input_mean']:.0f} tokens, prefix reuse with an unbounded "
+                  f"shared cache {stats['reuse']:.1%}")
+        cfg = ReplayConfig(**settings, rates=rates)
         labels = [f"{r:.6g}" for r in cfg.rates]
         if len(set(labels)) != len(labels):
             raise ValueError(f"--rates must differ in their first 6 significant digits, got {labels}")
@@ -159,6 +216,7 @@ def write_outputs(results, env, cfg, name, degrees) -> None:
     place, so a failure leaves no half-written set of files.
     """
     extra = {"degrees": list(degrees), "window_s": _WINDOW.value, "block_size": _BLOCK.value,
+             "trace_block_size": _TRACE_BLOCK.value,
              "kv_transfer_gb_per_s": _XFER.value, "first_token_ms": _FIRST.value}
     os.makedirs(_OUT.value, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".replay-", dir=_OUT.value)

@@ -1,7 +1,7 @@
 """Times real zigzag CP prefill on the devices at hand and writes the prefill profile CSV.
 
     python -m vertumnus_jax.profile --model=tiny --cpu_devices=8 --cp_degrees=1,2,4,8 \
-        --input_lens=128,256,512 --cached_fractions=0,0.5,0.9 --output=/tmp/profile.csv
+        --input_lens=128,256,512 --cached_fractions=0,0.5,0.9,0.99 --output=/tmp/profile.csv
     python -m vertumnus_jax.profile --checkpoint=/path/to/Qwen3-8B --input_lens=4096,16384
 
 For every CP degree C (a worker on devices [0, C)), input length L and cached length h (the
@@ -40,7 +40,7 @@ _DTYPE = flags.DEFINE_string("dtype", None, "Parameter dtype override (float32, 
 _CP = flags.DEFINE_list("cp_degrees", ["1", "2", "4", "8"], "CP degrees to time (those larger "
                         "than the device count are skipped).")
 _LENS = flags.DEFINE_list("input_lens", ["128", "256", "512"], "Prompt lengths (tokens).")
-_FRACS = flags.DEFINE_list("cached_fractions", ["0", "0.5", "0.9"], "Cached share of each "
+_FRACS = flags.DEFINE_list("cached_fractions", ["0", "0.5", "0.9", "0.99"], "Cached share of each "
                            "prompt, in [0, 1).")
 _BLOCK = flags.DEFINE_integer("block_size", 16, "KV block size (tokens), a power of two.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed runs per grid point (>= 1: compiles).")

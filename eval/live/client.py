@@ -1,8 +1,11 @@
-"""HTTP client side of live runs: the workload to send, the open-loop replay, the server process.
+"""HTTP client side of live runs: the workload to send, the replays, the server process.
 
-Used by `eval.live.loadgen` (the CLI) and `eval.live.fidelity`. `replay` sends each request at its arrival
-time (asyncio + httpx) and turns each response into a `serving.policy.scheduler.RequestRecord` with
-client-side times, so `eval.metrics.summarize` reads live runs exactly as simulated ones.
+Used by `eval.live.loadgen` (the CLI) and `eval.live.fidelity`. `replay` sends each request at
+its arrival time (open loop); `replay_sessions` drives agent sessions closed-loop
+(`eval.traces.closed_loop.ClosedLoop`: a session's next request is sent `think_time` after the
+previous response ended). Both use asyncio + httpx and turn each response into a
+`serving.policy.request.RequestRecord` with client-side times, so `eval.metrics.summarize`
+reads live runs exactly as simulated ones.
 """
 
 from __future__ import annotations
@@ -14,24 +17,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import httpx
 
+from eval.traces.closed_loop import ClosedLoop
 from eval.traces.loaders import load_trace, sample_window
+from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import scale_to_rate, tool_agent_workload
-from serving.policy.request import Request
-from serving.policy.request import RequestRecord
+from serving.policy.request import Request, RequestRecord
 
 
 def workload(trace: str, fmt: str, duration: float, rate: float, seed: int,
-             trace_block_size: int) -> tuple[list[Request], str]:
-    """The requests to send (arrival times from 0) and the workload's name."""
+             trace_block_size: int) -> tuple[list[Request] | SessionWorkload, str]:
+    """The requests to send (arrival times from 0) and the workload's name; agent sessions
+    (a folder) come back whole, as a `SessionWorkload`, for `replay_sessions`."""
     if not trace:
         reqs = tool_agent_workload(duration_s=duration, seed=seed, block_size=trace_block_size)
         name = "toolagent"
     else:
         t = load_trace(trace, fmt=fmt, block_size=trace_block_size, rate=rate or 1.0, seed=seed)
+        if isinstance(t, SessionWorkload):
+            return t, t.name
         reqs, name = sample_window(t.requests, duration, seed), t.name
     if rate > 0 and reqs:
         reqs = scale_to_rate(reqs, rate)
@@ -45,6 +53,12 @@ async def _send(client: httpx.AsyncClient, t0: float, request: Request, tokens: 
         await asyncio.sleep(delay)
     sent = time.perf_counter() - t0
     lags.append(max(0.0, sent - request.arrival_time))
+    return await _post(client, t0, sent, request, tokens, headers, server_ttft)
+
+
+async def _post(client: httpx.AsyncClient, t0: float, sent: float, request: Request,
+                tokens: list[int], headers: dict, server_ttft: dict) -> RequestRecord:
+    """POSTs one completion sent at `sent` (seconds after t0); its record in client time."""
     try:
         resp = await client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 1},
                                  headers=headers)
@@ -88,6 +102,62 @@ async def replay(url: str, pairs: list[tuple[Request, list[int]]], api_key: str 
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
     return list(records), state
+
+
+async def replay_sessions(url: str, loop: ClosedLoop,
+                          prompt: Callable[[Request], tuple[Request, list[int]]],
+                          deadline_s: float, max_requests: int = 0, api_key: str | None = None,
+                          timeout: float = 600.0) -> tuple[list[RequestRecord], dict]:
+    """Drives `loop`'s sessions against the server, closed-loop, in client time.
+
+    Each arrival is sent at its time (the response end of the previous request plus think time,
+    `ClosedLoop`) as `prompt(request)`: the request as the server sees it (same id and arrival,
+    e.g. from `eval.live.prompts.scaled_requests`) and its token ids; its response makes the
+    next arrivals. The
+    run is bounded: arrivals due after `deadline_s` seconds, or beyond `max_requests` sent
+    (0 = no count bound), are not sent.
+
+    Returns:
+      The records of the requests sent, in completion order, and the server's `/v1/workers`
+      state after the last answer plus `max_send_lag_s`, `server_ttft_s` (as `replay`) and
+      `unsent_requests` (arrivals dropped by the bounds).
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    records: list[RequestRecord] = []
+    lags: list[float] = []
+    server_ttft: dict = {}
+    unsent = 0
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks: set[asyncio.Task] = set()
+
+        def schedule(arrivals: list[tuple[float, Request]]) -> None:
+            nonlocal unsent
+            for t, request in arrivals:
+                if t > deadline_s or (max_requests and len(records) + len(tasks) >= max_requests):
+                    unsent += 1
+                    continue
+                task = asyncio.ensure_future(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        async def one(request: Request) -> None:
+            sent, tokens = prompt(request)
+            record = await _send(client, t0, sent, tokens, headers, lags, server_ttft)
+            records.append(record)
+            end = loop.response_end(record.first_token_time, record.finish_time,
+                                    record.request.output_len)
+            schedule(loop.on_end(request.request_id, end))
+
+        schedule(loop.start())
+        while tasks:
+            await asyncio.gather(*list(tasks))
+        state = (await client.get("/v1/workers", headers=headers)).json()
+    state["max_send_lag_s"] = max(lags, default=0.0)
+    state["server_ttft_s"] = server_ttft
+    state["unsent_requests"] = unsent
+    return records, state
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,

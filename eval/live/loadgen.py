@@ -18,6 +18,14 @@ window still compiles there and stalls its worker for seconds: the result JSON c
 `measured_executables_created`);
 the splits and merges of the warm-up and of the measured run are reported apart.
 
+Agent sessions (`--trace=<folder of session files>`, e.g. ../shared/traces/agent_sessions) are
+replayed closed-loop, as in the simulator (`eval.traces.closed_loop`): session instances start as
+a Poisson process at `--session_rate` sessions/s during `--duration` seconds, and each request is
+sent `think_time` (capped at `--max_think_time_s`) after the previous response ended, that
+response ending `output_len x --tpot_ms` after its first token. The run is bounded: nothing is
+sent after `--deadline_s` (default twice `--duration`) or beyond `--max_requests`; the result
+counts what was left unsent (`unsent_requests`).
+
 With `--launch_server` the binary `python -m serving.main` is started as a child process with
 `--server_flags`, waited for on `/health`, and stopped with SIGTERM at the end (it finishes its
 in-flight prefills and exits 0).
@@ -38,9 +46,11 @@ import httpx
 from absl import app, flags
 
 from eval import report
-from eval.live.client import launched_server, pool_state, replay, workload
+from eval.live.client import launched_server, pool_state, replay, replay_sessions, workload
 from eval.live.prompts import PromptScale, scaled_requests
 from eval.metrics import summarize
+from eval.traces.closed_loop import ClosedLoop, session_starts
+from eval.traces.sessions import SessionWorkload
 
 _URL = flags.DEFINE_string("url", None, "Server base URL; default http://127.0.0.1:<--port>.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port of the server (launched or running).",
@@ -53,8 +63,16 @@ _SERVER_FLAGS = flags.DEFINE_string(
     "controller's merges under this light load show in the run.")
 _TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
                              "Tool-Agent workload.")
-_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval"],
-                            "Trace format.")
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
+                            "Trace format (a folder is agent sessions).")
+_SESSION_RATE = flags.DEFINE_float("session_rate", 0.5, "Agent sessions: session starts per "
+                                   "second during --duration.", lower_bound=1e-6)
+_TPOT = flags.DEFINE_float("tpot_ms", 30.0, "Agent sessions: decode ms per output token (when a "
+                           "response ends; eval.replay_config says why 30).", lower_bound=0.0)
+_MAX_THINK = flags.DEFINE_float("max_think_time_s", 60.0, "Agent sessions: think times are capped "
+                                "here (the source replayer's --max-delay).", lower_bound=0.0)
+_DEADLINE = flags.DEFINE_float("deadline_s", 0.0, "Agent sessions: send nothing after this many "
+                               "seconds (0 = twice --duration).", lower_bound=0.0)
 _DURATION = flags.DEFINE_float("duration", 30.0, "Seconds of workload to replay (a seeded window "
                                "of a trace; the start of the built-in workload).", lower_bound=0.1)
 _RATE = flags.DEFINE_float("rate", 0.0, "Re-time the requests to this rate (req/s); 0 = keep.",
@@ -99,11 +117,22 @@ def main(argv):
     if not (math.isfinite(_WARMUP.value) and math.isfinite(_SETTLE_QUIET.value)):
         sys.exit(f"error: --warmup_duration and --settle_quiet_s must be finite seconds, got "
                  f"{_WARMUP.value} and {_SETTLE_QUIET.value}")
+    sessions = reqs if isinstance(reqs, SessionWorkload) else None
+    if sessions is not None:
+        for flag in (_SESSION_RATE, _TPOT, _MAX_THINK, _DEADLINE):
+            if not math.isfinite(flag.value):
+                sys.exit(f"error: --{flag.name} must be a finite number, got {flag.value}")
+        loop = ClosedLoop(sessions.with_requests(
+            [dataclasses.replace(r, ttft_slo=_SLO_MS.value / 1e3 if _SLO_MS.value > 0 else None)
+             for r in sessions.requests]),
+            session_starts(sessions, _SESSION_RATE.value, _DURATION.value, _SEED.value),
+            _TPOT.value / 1e3, _MAX_THINK.value)
+        reqs = []
     if _MAX_REQUESTS.value:
         reqs = reqs[:_MAX_REQUESTS.value]
     if _SLO_MS.value > 0:
         reqs = [dataclasses.replace(r, ttft_slo=_SLO_MS.value / 1e3) for r in reqs]
-    if not reqs:
+    if not reqs and sessions is None:
         sys.exit(f"error: the workload {name!r} has no requests in {_DURATION.value} s")
     headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else None
     url = _URL.value or f"http://127.0.0.1:{_PORT.value}"
@@ -113,7 +142,7 @@ def main(argv):
         info = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]
         scale = PromptScale(_TOKENS_PER_BLOCK.value, int(info["vocab_size"]),
                             int(info["max_model_len"]))
-        pairs = scaled_requests(reqs, scale, int(info["block_size"]))
+        pairs = scaled_requests(reqs, scale, int(info["block_size"])) if reqs else []
         quiet = 0.0  # warm-up seconds since a split, a merge or a compilation was last seen
         for k in range(_WARMUP_ROUNDS.value if _WARMUP.value > 0 else 0):
             warm, _ = workload("", "auto", _WARMUP.value, _RATE.value, _SEED.value + 1 + k,
@@ -139,13 +168,29 @@ def main(argv):
                       "warm-up rounds")
         start = pool_state(url, headers)
         warmup_changes = start.finished
-        print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, mean "
-              f"prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
-        records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
+        if sessions is None:
+            print(f"{name}: sending {len(pairs)} requests over {reqs[-1].arrival_time:.1f} s, "
+                  f"mean prompt {sum(len(p) for _, p in pairs) / len(pairs):.0f} tokens, to {url}")
+            records, state = asyncio.run(replay(url, pairs, _API_KEY.value, _TIMEOUT.value))
+            rate = len(reqs) / max(reqs[-1].arrival_time, 1e-9)
+        else:
+            deadline = _DEADLINE.value or 2 * _DURATION.value
+            print(f"{name}: {len(loop.starts)} session instances starting over "
+                  f"{_DURATION.value:.0f} s, closed-loop, nothing sent after {deadline:.0f} s, "
+                  f"to {url}")
+            block = int(info["block_size"])
+            records, state = asyncio.run(replay_sessions(
+                url, loop, lambda r: scaled_requests([r], scale, block)[0], deadline,
+                _MAX_REQUESTS.value, _API_KEY.value, _TIMEOUT.value))
+            rate = len(records) / max(deadline, 1e-9)
         measured_compiled = pool_state(url, headers).executables - start.executables
     result = summarize(records)
-    result.update(system=f"live:{info['id']}", trace=name, request_rate=len(reqs) / max(
-        reqs[-1].arrival_time, 1e-9), composition=state["composition"],
+    if sessions is not None:
+        result.update(replay="closed-loop", session_rate=_SESSION_RATE.value,
+                      sessions_started=len(loop.starts), unsent_requests=state["unsent_requests"],
+                      tpot_ms=_TPOT.value, max_think_time_s=_MAX_THINK.value)
+    result.update(system=f"live:{info['id']}", trace=name, request_rate=rate,
+                  composition=state["composition"],
         warmup_reconfigurations=state["reconfigurations"][:warmup_changes],
         # executables the measured window had to create (each one stalled its worker on a
         # cold compilation cache); None when a split or merge changed the workers meanwhile

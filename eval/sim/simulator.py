@@ -8,8 +8,10 @@ backends"). TTFT adds the KV transfer to the decode pool and one decode step, as
 counts TTFT for a disaggregated prefill pool.
 
 Events are (time, sequence, kind, payload) on a heap; arrivals are merged from the sorted
-request list; ties are ordered completions first, then backend callbacks (copies, re-carves), then
-arrivals, then ticks, then by sequence.
+request list (open loop) or made during the run by an `ArrivalSource` (closed loop: a session's
+next request is an event created when its previous request completes); ties are ordered
+completions first, then backend callbacks (copies, re-carves), then arrivals, then ticks, then
+by sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
+import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from eval.sim.backend import SimConfig, SimulatedBackend  # noqa: F401 (SimConfig re-exported)
 from serving.policy.prefix_index import PrefixIndex
@@ -45,6 +49,18 @@ def intern_block_hashes(requests: Sequence[Request]) -> list[Request]:
     dense = dict(zip(distinct, range(1, len(distinct) + 1))).__getitem__
     return [dataclasses.replace(r, block_hashes=tuple(map(dense, r.block_hashes)))
             for r in requests]
+
+
+class ArrivalSource(Protocol):
+    """Arrivals made during a run (closed loop); `eval.traces.sessions.ClosedLoop` is one."""
+
+    def start(self) -> list[tuple[float, Request]]:
+        """The first arrivals, `(time, request)`, sorted by time."""
+
+    def on_record(self, record: RequestRecord) -> list[tuple[float, Request]]:
+        """The arrivals made by a request's end (its `RequestRecord`), at or after its end."""
+
+
 MAX_TIME_S = 1e11  # keeps t + tick_interval > t in float64 for ticks >= 1 ms
 
 
@@ -53,11 +69,12 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
              config: SimConfig = SimConfig(),
              tick_hooks: Sequence[Callable[[Scheduler, float], None]] = (),
              setup: Sequence[Callable[[Scheduler], None]] = (),
-             prefix_index: PrefixIndex | None = None) -> list[RequestRecord]:
+             prefix_index: PrefixIndex | None = None,
+             arrivals: ArrivalSource | None = None) -> list[RequestRecord]:
     """Replays `requests` (sorted by arrival) through a simulated pool.
 
     Args:
-      requests: the workload, sorted by `arrival_time` (seconds).
+      requests: the workload, sorted by `arrival_time` (seconds); open loop.
       workers: initial pool composition.
       cost_model: the router's estimate of prefill seconds (fitted, not the ground truth).
       router: routing policy.
@@ -68,6 +85,9 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
         read its logs afterwards).
       prefix_index: the scheduler's index of cached blocks (`PrefixIndex` by default; a
         `GlobalPrefixTrie` for the prefix-cache manager).
+      arrivals: a closed-loop source of further arrivals (with `requests` empty, the whole
+        workload): its `start()` at the beginning, its `on_record(record)` after each request
+        ends; each arrival becomes an event of the run.
 
     Returns:
       One `RequestRecord` per request, in completion order.
@@ -98,23 +118,44 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
         seq += 1
         heapq.heappush(heap, (t, _CALL, seq, fn))
 
+    queued = [0]  # arrival events on the heap
+    if arrivals is None:
+        listener = records.append
+    else:
+        def push_arrivals(batch: list[tuple[float, Request]]) -> None:
+            nonlocal seq
+            for t, request in batch:
+                if not t <= MAX_TIME_S:
+                    raise ValueError(f"arrival time {t} s of {request.request_id!r} is beyond "
+                                     f"{MAX_TIME_S:g} s or not finite")
+                seq += 1
+                queued[0] += 1
+                heapq.heappush(heap, (t, _ARRIVAL, seq, request))
+
+        def listener(record: RequestRecord) -> None:
+            records.append(record)
+            push_arrivals(arrivals.on_record(record))
+
     backend = SimulatedBackend(workers, prefill_seconds, config, push_completion, push_call)
-    scheduler = Scheduler(workers, cost_model, router, backend, listener=records.append,
+    scheduler = Scheduler(workers, cost_model, router, backend, listener=listener,
                           prefix_index=prefix_index)
     backend.scheduler = scheduler
     backend.share_caches()
     scheduler.tick_hooks.extend(tick_hooks)
     for f in setup:
         f(scheduler)
+    if arrivals is not None:
+        push_arrivals(arrivals.start())
     tick = config.tick_interval
-    if tick > 0 and requests:
-        heapq.heappush(heap, (requests[0].arrival_time + tick, _TICK, 0, None))
+    firsts = ([requests[0].arrival_time] if requests else []) + ([heap[0][0]] if heap else [])
+    if tick > 0 and firsts:
+        heapq.heappush(heap, (min(firsts) + tick, _TICK, 0, None))
 
     # The run allocates many small acyclic objects; the cyclic collector only costs time here.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        _run_events(requests, heap, scheduler, tick)
+        _run_events(requests, heap, scheduler, tick, queued)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -123,7 +164,9 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     return records
 
 
-def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float) -> None:
+def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float,
+                queued: list[int]) -> None:
+    """The event loop; `queued[0]` counts the arrival events on the heap (closed loop)."""
     i, n = 0, len(requests)
     arrivals = [r.arrival_time for r in requests]
     submit, complete = scheduler.submit, scheduler.backend.finish_prefill
@@ -139,12 +182,16 @@ def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, t
             complete(payload, t)
         elif kind == _CALL:
             payload()
+        elif kind == _ARRIVAL:
+            queued[0] -= 1
+            submit(payload, t)
         else:
             scheduler.tick(t)
             if not heap and i >= n and scheduler.num_in_flight and not scheduler.reconfig.in_progress:
                 break  # requests wait for workers that will never come back: reported below
-            busy = scheduler.num_in_flight or scheduler.reconfig.in_progress or heap
+            busy = scheduler.num_in_flight or scheduler.reconfig.in_progress or len(heap) > queued[0]
             if busy:
                 heapq.heappush(heap, (t + tick, _TICK, 0, None))
-            elif i < n:  # idle until the next arrival: no point ticking through the gap
-                heapq.heappush(heap, (max(t + tick, requests[i].arrival_time), _TICK, 0, None))
+            elif i < n or heap:  # idle until the next arrival: no point ticking through the gap
+                nxt = min(requests[i].arrival_time if i < n else math.inf, heap[0][0] if heap else math.inf)
+                heapq.heappush(heap, (max(t + tick, nxt), _TICK, 0, None))

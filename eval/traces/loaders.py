@@ -44,6 +44,7 @@ from eval.traces.content import reblock_hash_ids, segment_block_ids, segment_id
 from eval.traces.parsing import (MAX_TOKENS, Trace, TraceFormatError, _blank, _check_block_size,  # noqa: F401
                            _csv_int, _finish, _json_int, _parse_datetime, _ragged, _read_csv,
                            _read_lines, _RowError, _run_rows, _show)
+from eval.traces.sessions import SessionWorkload, load_sessions
 from serving.policy.request import Request, chain_block_hashes, num_blocks
 
 MOONCAKE_BLOCK_SIZE = 512  # tokens per `hash_ids` entry in the Mooncake traces
@@ -259,24 +260,35 @@ def load_leval(path: str | pathlib.Path, rate: float, seed: int, block_size: int
 
 
 def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 512,
-               skip_malformed: bool = False, rate: float | None = None, seed: int = 0) -> Trace:
-    """Loads a trace file in any supported format (for the CLIs).
+               skip_malformed: bool = False, rate: float | None = None, seed: int = 0,
+               trace_block_size: int = MOONCAKE_BLOCK_SIZE, warm_prefix_pct: float = 0.5
+               ) -> Trace | SessionWorkload:
+    """Loads a trace in any supported format (for the CLIs).
 
     Args:
-      spec: the file path, optionally prefixed by its format: "mooncake:PATH", "azure:PATH",
-        "leval:PATH".
-      fmt: "auto" (the prefix, else `.jsonl` -> mooncake; `.csv` -> azure if the header has
-        TIMESTAMP, leval if it has doc_id), or one of "mooncake", "azure", "leval".
-      block_size: tokens per block, >= 1.
+      spec: the file or folder path, optionally prefixed by its format: "mooncake:PATH",
+        "azure:PATH", "leval:PATH", "sessions:PATH".
+      fmt: "auto" (the prefix, else a folder -> sessions; `.jsonl` -> mooncake; `.csv` -> azure
+        if the header has TIMESTAMP, leval if it has doc_id), or one of "mooncake", "azure",
+        "leval", "sessions".
+      block_size: tokens per block of the returned requests, >= 1.
+      trace_block_size: Mooncake format only: tokens per `hash_ids` entry in the file (512 in
+        Mooncake's own traces; 16 or 64 in other public traces of that format); re-blocked
+        exactly to `block_size`.
+      warm_prefix_pct: sessions only: the fraction of each session's tool + system prefix
+        shared across all sessions (`eval.traces.sessions`).
       skip_malformed: drop and count malformed rows instead of raising.
       rate: Poisson arrival rate (req/s) for L-Eval, required there; ignored by the others,
         which carry their own timestamps.
       seed: seed of L-Eval's order and arrivals; ignored by the others.
 
+    Returns:
+      A `Trace`, or a `SessionWorkload` for agent sessions (replayed closed-loop).
+
     Raises:
       ValueError: unknown format, or an L-Eval load without `rate`; and what the loader raises.
     """
-    formats = ("mooncake", "azure", "leval")
+    formats = ("mooncake", "azure", "leval", "sessions")
     spec = str(spec)
     head, sep, rest = spec.partition(":")
     if sep and head in formats:
@@ -285,7 +297,9 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
         fmt, spec = head, rest
     path = pathlib.Path(spec)
     if fmt == "auto":
-        if path.suffix.lower() == ".jsonl":
+        if path.is_dir():
+            fmt = "sessions"
+        elif path.suffix.lower() == ".jsonl":
             fmt = "mooncake"
         elif path.suffix.lower() == ".csv":
             with open(path, encoding="utf-8-sig", errors="replace") as f:
@@ -293,9 +307,13 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
             raise ValueError(f"cannot tell the format of {spec!r} from its name or header: give it "
-                             f"(--trace_format, or a 'mooncake:'/'azure:'/'leval:' prefix) as one of {formats}")
+                             f"(--trace_format, or a 'mooncake:'/'azure:'/'leval:'/'sessions:' prefix) as one of {formats}")
+    if fmt == "sessions":
+        return load_sessions(path, block_size=block_size, warm_prefix_pct=warm_prefix_pct,
+                             skip_malformed=skip_malformed)
     if fmt == "mooncake":
-        return load_mooncake(path, block_size=block_size, skip_malformed=skip_malformed)
+        return load_mooncake(path, block_size=block_size, skip_malformed=skip_malformed,
+                             source_block_size=trace_block_size)
     if fmt == "azure":
         return load_azure(path, skip_malformed=skip_malformed, block_size=block_size)
     if fmt == "leval":

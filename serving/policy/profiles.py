@@ -47,7 +47,10 @@ _COLUMNS = ("cp", "input_len", "cached_len", "seconds")
 # integer (and int64 overflows at 2^63), so larger magnitudes are rejected.
 MAX_INT_MAGNITUDE = 2**53
 DEFAULT_FIXED_OVERHEAD_S = 5e-3
-DEFAULT_CACHED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.9)
+# Up to 0.99 and the edge h = L - 1 (`generate_profile`): agent traffic lives at 95-99 % hits.
+DEFAULT_CACHED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
+# A measured profile whose rows stop below this cached fraction is extrapolated above it.
+FULL_COVERAGE_FRACTION = 0.99
 DEFAULT_INPUT_LENS = tuple(int(x) for x in np.unique(np.round(np.geomspace(128, 262144, 23))))
 
 
@@ -221,6 +224,21 @@ def _read_profile_csv(path: str | os.PathLike) -> ProfileTable:
     return ProfileTable(*(np.asarray(cols[c]) for c in _COLUMNS))
 
 
+def coverage_gaps(table: ProfileTable, min_fraction: float = FULL_COVERAGE_FRACTION
+                  ) -> list[tuple[int, int, float]]:
+    """The rows of `table` (one per CP degree and input length) whose largest cached fraction
+    `cached_len / input_len` is below `min_fraction`: `(cp, input_len, largest fraction)`. A
+    prefill with more of its prompt cached is charged that row's largest-fraction time by the
+    simulator's ground truth (held, not extrapolated down), so such a table over-charges
+    prompts that are mostly cached (agent traffic: 95-99 %)."""
+    best: dict[tuple[int, int], float] = {}
+    for c, L, h in zip(np.asarray(table.cp).tolist(), np.asarray(table.input_len).tolist(),
+                       np.asarray(table.cached_len).tolist()):
+        key = (int(c), int(L))
+        best[key] = max(best.get(key, 0.0), h / L)
+    return [(c, L, f) for (c, L), f in sorted(best.items()) if f < min_fraction]
+
+
 def write_profile_csv(table: ProfileTable, path: str | os.PathLike) -> None:
     """Writes `table` as CSV with header cp,input_len,cached_len,seconds (seconds as repr floats,
     so a round trip is exact)."""
@@ -311,12 +329,14 @@ def analytic_prefill_seconds(gpu: GpuSpec | str, model: ModelSpec | str, cp_degr
 def generate_profile(gpu: GpuSpec | str, model: ModelSpec | str,
                      degrees=(1, 2, 4, 8), input_lens=DEFAULT_INPUT_LENS,
                      cached_fractions=DEFAULT_CACHED_FRACTIONS, parallelism: str = "cp",
-                     **kwargs) -> ProfileTable:
+                     edge: bool = True, **kwargs) -> ProfileTable:
     """Analytic profile on a grid: every degree x input length x cached fraction f, with
-    cached_len = floor(f * L) kept exact (not block-rounded), rows with cached_len >= L dropped.
+    cached_len = floor(f * L) kept exact (not block-rounded), rows with cached_len >= L dropped;
+    with `edge`, also cached_len = L - 1 (one new token, the limit h -> L), so interpolation
+    never holds a fraction's time beyond the grid (`eval.sim.ground_truth`).
 
     Defaults: input lengths 128..262144 log-spaced in steps of sqrt(2) (23 points), fractions
-    0, .25, .5, .75, .9. `kwargs` go to `analytic_prefill_seconds`.
+    0, .25, .5, .75, .9, .95, .99, and the edge. `kwargs` go to `analytic_prefill_seconds`.
 
     Raises:
       ValueError: on a fraction outside [0, 1) or an empty grid.
@@ -327,8 +347,9 @@ def generate_profile(gpu: GpuSpec | str, model: ModelSpec | str,
             raise ValueError(f"cached_fractions entry {f} must be in [0, 1)")
     for c in degrees:
         for L in input_lens:
-            for f in cached_fractions:
-                h = int(math.floor(f * L))
+            hs = sorted({int(math.floor(f * L)) for f in cached_fractions}
+                        | ({int(L) - 1} if edge and cached_fractions else set()))
+            for h in hs:
                 if h < L:
                     s = analytic_prefill_seconds(gpu, model, c, int(L), h, parallelism, **kwargs)
                     rows.append((c, int(L), h, s))

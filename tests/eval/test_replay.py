@@ -102,3 +102,47 @@ def test_slo_reference_is_the_largest_listed_degree_whatever_the_systems(workloa
     both = ReplayEnv.build(ReplayConfig(num_gpus=8, degrees=(2, 4)), 512, {2, 4})
     assert alone.reference_degree == both.reference_degree == 4
     assert alone.isolated_ttft(5000) == pytest.approx(both.isolated_ttft(5000))
+
+
+def test_a_measured_profile_that_stops_at_90_percent_warns_naming_rows(tmp_path):
+    from serving.policy.profiles import generate_profile, write_profile_csv
+    path = tmp_path / "p.csv"
+    write_profile_csv(generate_profile("h20", "qwen3-30b-a3b", (2,), (1024, 8192),
+                                       (0.0, 0.5, 0.9), edge=False), path)
+    cfg = ReplayConfig(num_gpus=8, degrees=(2,), profile_csv=str(path))
+    with pytest.warns(UserWarning, match=r"2 profile rows stop below a 99% cached fraction: "
+                                         r"C=2 L=1024 \(to 90%\), C=2 L=8192 \(to 90%\)"):
+        ReplayEnv.build(cfg, 512, {2})
+
+
+def test_cli_replays_agent_sessions_closed_loop(tmp_path):
+    # Two sessions of three requests; the replay starts session instances at load factors of
+    # the session capacity rate and reports sessions/s, the closed-loop mode and the pool load.
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    for k in range(2):
+        ids = list(range(1, 81))
+        reqs = [{"t": 10.0 * j, "type": "n", "in": 64 * (40 + 20 * j), "out": 50,
+                 "hash_ids": ids[:40 + 20 * j], "think_time": 5.0} for j in range(3)]
+        (folder / f"s{k}.json").write_text(json.dumps(
+            {"id": f"s{k}", "block_size": 64, "tool_tokens": 640, "system_tokens": 0,
+             "requests": reqs}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "eval.replay", f"--trace={folder}", "--num_gpus=8",
+           "--degrees=2,4", "--load_factors=0.1,0.5", "--session_window_s=600",
+           "--systems=homogeneous", f"--output_dir={out}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 sessions" in proc.stdout and "closed-loop" in proc.stdout
+    runs = json.loads((out / "agents__summary.json").read_text())
+    assert len(runs) == 4
+    for r in runs:
+        assert r["replay"] == "closed-loop" and r["session_window_s"] == 600.0
+        assert r["request_rate"] == pytest.approx(3 * r["session_rate"])
+        assert r["failed"] == 0 and r["num_requests"] % 3 == 0 and 0 < r["gpu_busy_fraction"] < 1
+    low, high = runs[0], runs[1]
+    assert high["session_rate"] == pytest.approx(5 * low["session_rate"])
+    assert high["num_requests"] > 2 * low["num_requests"]
+    bad = subprocess.run(cmd + ["--rates=native"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "native does not apply to agent sessions" in bad.stderr

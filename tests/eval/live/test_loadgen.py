@@ -139,3 +139,59 @@ def test_cli_warms_up_until_quiet_and_reports_measured_compilations(server_url, 
     assert result["measured_executables_created"] >= 0
     assert (f"prefill executables created during the measured run: "
             f"{result['measured_executables_created']}") in proc.stdout
+
+
+def test_replay_sessions_closed_loop_against_a_server(server_url, tmp_path):
+    """Two sessions of three requests (think 0.2 s, 5 output tokens at 10 ms), started 0.1 s
+    apart: every request is sent only after its predecessor's response plus decode and think
+    time, on the client's clock; the deadline drops what is due after it."""
+    from eval.live.client import replay_sessions
+    from eval.traces.closed_loop import ClosedLoop
+    from eval.traces.sessions import load_sessions
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    for k in range(2):
+        reqs = [{"t": float(j), "type": "n", "in": 64 * (4 + 2 * j), "out": 5,
+                 "hash_ids": list(range(1, 5 + 2 * j)), "think_time": 0.2} for j in range(3)]
+        (folder / f"s{k}.json").write_text(json.dumps(
+            {"id": f"s{k}", "block_size": 64, "requests": reqs}))
+    w = load_sessions(folder, block_size=64)
+    url, _ = server_url
+    scale = PromptScale(16, 256, max_len=1024)
+    loop = ClosedLoop(w, [(0.0, 0), (0.1, 1)], tpot_s=0.01)
+    records, state = asyncio.run(replay_sessions(
+        url, loop, lambda r: scaled_requests([r], scale, 16)[0], deadline_s=60.0))
+    assert len(records) == 6 and all(r.ok for r in records) and state["unsent_requests"] == 0
+    by_id = {r.request.request_id: r for r in records}
+    for s in ("s0", "s1"):
+        for j in (1, 2):
+            prev, cur = by_id[f"{s}:{j - 1}@{0 if s == 's0' else 1}"], by_id[f"{s}:{j}@{0 if s == 's0' else 1}"]
+            # sent 5 x 10 ms of decode + 0.2 s of think after the previous response arrived
+            assert cur.request.arrival_time == pytest.approx(prev.first_token_time + 0.05 + 0.2)
+            assert cur.start_time >= cur.request.arrival_time
+            assert cur.request.input_len == 16 * (4 + 2 * j)  # the scaled prompt the server saw
+    # a deadline before the second requests are due: only the first of each session is sent
+    loop = ClosedLoop(w, [(0.0, 0), (0.1, 1)], tpot_s=0.01)
+    records, state = asyncio.run(replay_sessions(
+        url, loop, lambda r: scaled_requests([r], scale, 16)[0], deadline_s=0.2))
+    assert len(records) == 2 and state["unsent_requests"] == 2
+
+
+def test_cli_replays_agent_sessions_closed_loop(server_url, tmp_path):
+    url, _ = server_url
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    for k in range(3):
+        reqs = [{"t": float(j), "type": "n", "in": 64 * (4 + 2 * j), "out": 5,
+                 "hash_ids": list(range(1, 5 + 2 * j)), "think_time": 0.1} for j in range(3)]
+        (folder / f"s{k}.json").write_text(json.dumps(
+            {"id": f"s{k}", "block_size": 64, "requests": reqs}))
+    cmd = [sys.executable, "-m", "eval.loadgen", f"--url={url}", f"--trace={folder}",
+           "--duration=2", "--session_rate=2", "--warmup_duration=0", "--trace_block_size=64",
+           f"--output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "closed-loop" in proc.stdout
+    result = json.loads((tmp_path / "agents__live.json").read_text())
+    assert result["replay"] == "closed-loop" and result["failed"] == 0
+    assert result["completed"] + result["unsent_requests"] == 3 * result["sessions_started"]

@@ -78,3 +78,17 @@ def test_noise_is_seeded_deterministic_with_mean_one():
     assert xa.mean() == pytest.approx(1.0, abs=0.01)  # standard error ~0.0014
     assert np.log(xa).std() == pytest.approx(sigma, rel=0.03)
     assert a.exact_seconds(2, 1500, 375) == pytest.approx(1.4)
+
+
+def test_mostly_cached_prompts_are_charged_near_the_analytic_time():
+    """The issue's case: 103,424 tokens with 102,400 cached on CP-2 (99 %) was charged 5.02 s
+    when the grid stopped at 0.9; now within a few per cent of the analytic 0.58 s, and the
+    time keeps falling as h -> L (never held at a smaller fraction's time)."""
+    from serving.policy.profiles import analytic_prefill_seconds
+    truth = GroundTruthProfile(generate_profile("h20", "qwen3-30b-a3b", (2, 4)))
+    for c, L, h in ((2, 103_424, 102_400), (4, 94_000, 90_240), (2, 20_000, 19_900),
+                    (2, 50_000, 49_999)):
+        want = analytic_prefill_seconds("h20", "qwen3-30b-a3b", c, L, h)
+        assert truth.exact_seconds(c, L, h) == pytest.approx(want, rel=0.04), (c, L, h)
+    ts = [truth.exact_seconds(2, 103_424, int(f * 103_424)) for f in (0.9, 0.95, 0.98, 0.99, 0.999)]
+    assert all(a > b for a, b in zip(ts, ts[1:])), ts

@@ -142,3 +142,29 @@ def test_mooncake_block_size_flag(tmp_path):
     assert common_prefix(a.block_hashes, b.block_hashes) == 4
     # Unbounded-cache reuse at 256: B hits 4 blocks of 256 = 1024 tokens.
     assert reuse_fraction([a, b]) == pytest.approx(1024 / 2400)
+
+
+def test_64_token_trace_reblocked_to_512_shares_like_a_hand_made_512_trace(tmp_path):
+    """A Mooncake-format trace with 64-token `hash_ids` (as public agent and Qwen traces use),
+    read with `trace_block_size=64` and re-blocked to 512, has the pairwise shared-prefix
+    structure of the same prompts written by hand at 512: a 512-block is shared only when all
+    eight 64-blocks in it, and every block before, are."""
+    base = list(range(1, 33))                                   # 2048 tokens: 32 x 64
+    rows64 = [base, base[:20] + [900 + i for i in range(12)],   # shares 20 x 64 = 1280 tokens
+              base[:16] + [800 + i for i in range(16)],         # shares exactly 2 x 512
+              [700] + base[1:]]                                 # differs in the first block
+    rows512 = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 7, 8], [9, 10, 11, 12]]
+    for name, rows, bs in (("a.jsonl", rows64, 64), ("b.jsonl", rows512, 512)):
+        (tmp_path / name).write_text("".join(json.dumps(
+            {"timestamp": i, "input_length": 2048, "output_length": 1, "hash_ids": ids}) + "\n"
+            for i, ids in enumerate(rows)))
+    from eval.traces.loaders import load_trace
+    a = load_trace(tmp_path / "a.jsonl", block_size=512, trace_block_size=64).requests
+    b = load_trace(tmp_path / "b.jsonl", block_size=512).requests
+    assert all(len(r.block_hashes) == 4 for r in a)
+    shared = [[common_prefix(x.block_hashes, y.block_hashes) for y in reqs] for reqs in (a, b)
+              for x in reqs]
+    assert shared[:4] == shared[4:]
+    assert [common_prefix(a[0].block_hashes, r.block_hashes) for r in a] == [4, 2, 2, 0]
+    with pytest.raises(TraceFormatError, match="ceil"):  # 64-token ids read as 512 ones
+        load_trace(tmp_path / "a.jsonl", block_size=512)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from serving.policy.profiles import (GPUS, MODELS, ProfileTable, analytic_prefill_seconds,
-                              generate_profile, prefill_flops, read_profile_csv,
-                              write_profile_csv)
+                                     coverage_gaps, generate_profile, prefill_flops,
+                                     read_profile_csv, write_profile_csv)
 
 
 def _matmul(m, k, n):
@@ -116,7 +116,7 @@ def test_meta_cp_paper_llama3_405b_shape():
 
 def test_generate_profile_grid_and_csv_round_trip(tmp_path):
     lens = (128, 1000, 4096)
-    table = generate_profile("h20", "tiny", (1, 2), lens, (0.0, 0.5, 0.9))
+    table = generate_profile("h20", "tiny", (1, 2), lens, (0.0, 0.5, 0.9), edge=False)
     assert len(table) == 2 * 3 * 3
     assert table.degrees == (1, 2)
     np.testing.assert_array_equal(table.cached_len[table.input_len == 1000], [0, 500, 900] * 2)
@@ -225,3 +225,17 @@ def test_profile_table_rejects_integers_float64_cannot_hold():
         with pytest.raises(ValueError, match=r"input_len\[1\].*2\^53"):
             ProfileTable(**{**ok, "input_len": value})
     assert ProfileTable(**{**ok, "input_len": [10, 2**53]}).input_len[1] == 2**53
+
+
+def test_default_grid_reaches_99_percent_and_the_edge():
+    table = generate_profile("h20", "tiny", (1,), (1000,))
+    assert sorted(table.cached_len.tolist()) == [0, 250, 500, 750, 900, 950, 990, 999]
+    assert coverage_gaps(table) == []
+
+
+def test_coverage_gaps_name_the_rows_that_stop_short():
+    table = generate_profile("h20", "tiny", (1, 2), (128, 1000), (0.0, 0.5, 0.9), edge=False)
+    gaps = coverage_gaps(table)
+    assert [(c, L) for c, L, _ in gaps] == [(1, 128), (1, 1000), (2, 128), (2, 1000)]
+    assert [f for _, _, f in gaps] == pytest.approx([115 / 128, 0.9, 115 / 128, 0.9])
+    assert coverage_gaps(table, min_fraction=0.85) == []

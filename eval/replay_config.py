@@ -1,0 +1,102 @@
+"""`ReplayConfig`: everything that defines one comparison (the flags of `eval.replay`).
+
+Used by `eval.experiment` (and re-exported there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from eval.sim.simulator import SimConfig
+from eval.slo import SloSpec
+from eval.systems import expand_systems
+from serving.policy.profiles import GPUS, MODELS
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """Everything that defines one comparison (the flags of `eval.replay`).
+
+    Attributes:
+      gpu, model: names in `serving.policy.profiles.GPUS` / `MODELS` for the analytic profile and the
+        KV sizes.
+      profile_csv: a measured profile (columns cp,input_len,cached_len,seconds) used instead of
+        the analytic one; None for analytic.
+      num_gpus: GPU budget of every system.
+      degrees: CP degrees for the `homogeneous` shorthand (one system per degree).
+      systems: system names (`eval.systems.build_system`).
+      rates: request rates to sweep, req/s; when empty, `load_factors` set them.
+      load_factors: rate = factor * capacity rate, where the capacity rate is the rate at which
+        the GPU budget is exactly busy if every request ran cold at the smallest degree of the
+        run: `num_gpus / mean_i(C_min * T(C_min, L_i, 0))`. Prefix hits make the real load lower.
+      slo: SLO spec (`eval.slo.SloSpec.parse`).
+      noise_sigma: std-dev of the lognormal noise on ground-truth prefill times (0 = none).
+      seed: seeds the noise.
+      kv_blocks_per_gpu: KV blocks per device; 0 derives it from HBM: `(hbm_gb * 1e9 *
+        hbm_utilization - weight_bytes) / (kv_bytes_per_token * block_size)` (each device holds a
+        full weight replica, DESIGN.md).
+      hbm_utilization: share of HBM usable by weights and KV.
+      sim: `SimConfig` (KV transfer bandwidth, first-token time, tick); its kv_bytes_per_token is
+        filled from the model.
+      tpot_ms: closed-loop sessions only: decode milliseconds per output token, so a response
+        ends `output_len x tpot_ms` after its first token. 30 ms: a decode pool serving a
+        Qwen3-30B-A3B-class model at moderate batch runs at about 20-50 ms per output token
+        (vLLM's and SGLang's published H100/H20 decode benchmarks), and chat TPOT SLOs sit at
+        50-100 ms (DistServe, Mooncake); agent outputs are short (median about 150 tokens), so
+        think times, not decode, dominate a session's pace.
+      session_window_s: closed-loop sessions only: session instances start during this many
+        seconds (`eval.traces.closed_loop.session_starts`). One hour: about the median
+        session's length with think times capped, so the pool spends most of the run loaded.
+      max_think_time_s: closed-loop sessions only: think times are capped here, as the source
+        replayer's `--max-delay` (60 s, its default): a user away longer starts a new visit.
+    """
+
+    gpu: str = "h20"
+    model: str = "qwen3-30b-a3b"
+    profile_csv: str | None = None
+    num_gpus: int = 40
+    degrees: tuple[int, ...] = (2, 4)
+    systems: tuple[str, ...] = ("homogeneous",)
+    rates: tuple[float, ...] = ()
+    load_factors: tuple[float, ...] = (0.8, 1.2, 1.6)
+    slo: str = "scale:5"
+    noise_sigma: float = 0.05
+    seed: int = 0
+    kv_blocks_per_gpu: int = 0
+    hbm_utilization: float = 0.9
+    sim: SimConfig = SimConfig()
+    tpot_ms: float = 30.0
+    session_window_s: float = 3600.0
+    max_think_time_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"gpu={self.gpu!r} is not known; choose from {sorted(GPUS)}")
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r} is not known; choose from {sorted(MODELS)}")
+        if self.num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
+        if any(r <= 0 for r in self.rates):
+            raise ValueError(f"rates must all be > 0 req/s, got {list(self.rates)}")
+        if not self.rates and (not self.load_factors or any(f <= 0 for f in self.load_factors)):
+            raise ValueError(f"load_factors must be non-empty and > 0, got {list(self.load_factors)}")
+        if self.noise_sigma < 0:
+            raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")
+        if self.kv_blocks_per_gpu < 0:
+            raise ValueError(f"kv_blocks_per_gpu must be >= 0 (0 = derive), got {self.kv_blocks_per_gpu}")
+        if not (math.isfinite(self.session_window_s) and self.session_window_s > 0):
+            raise ValueError(f"session_window_s must be a finite number > 0 s, got "
+                             f"{self.session_window_s}")
+        if not (math.isfinite(self.max_think_time_s) and self.max_think_time_s >= 0):
+            raise ValueError(f"max_think_time_s must be a finite number >= 0 s, got "
+                             f"{self.max_think_time_s}")
+        if not (math.isfinite(self.tpot_ms) and self.tpot_ms >= 0):
+            raise ValueError(f"tpot_ms must be a finite number >= 0 ms, got {self.tpot_ms}")
+        if not 0 < self.hbm_utilization <= 1:
+            raise ValueError(f"hbm_utilization must be in (0, 1], got {self.hbm_utilization}")
+        SloSpec.parse(self.slo)
+
+    @property
+    def system_names(self) -> list[str]:
+        return expand_systems(self.systems, self.degrees)
