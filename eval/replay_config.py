@@ -77,9 +77,10 @@ class ReplayConfig:
             raise ValueError(f"model={self.model!r} is not known; choose from {sorted(MODELS)}")
         if self.num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
-        if any(r <= 0 for r in self.rates):
+        if any(not (math.isfinite(r) and r > 0) for r in self.rates):
             raise ValueError(f"rates must all be > 0 req/s, got {list(self.rates)}")
-        if not self.rates and (not self.load_factors or any(f <= 0 for f in self.load_factors)):
+        if not self.rates and (not self.load_factors or any(
+                not (math.isfinite(f) and f > 0) for f in self.load_factors)):
             raise ValueError(f"load_factors must be non-empty and > 0, got {list(self.load_factors)}")
         if self.noise_sigma < 0:
             raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")

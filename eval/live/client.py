@@ -37,7 +37,8 @@ def workload(trace: str, fmt: str, duration: float, rate: float, seed: int,
         reqs = tool_agent_workload(duration_s=duration, seed=seed, block_size=trace_block_size)
         name = "toolagent"
     else:
-        t = load_trace(trace, fmt=fmt, block_size=trace_block_size, rate=rate or 1.0, seed=seed)
+        t = load_trace(trace, fmt=fmt, block_size=trace_block_size, rate=rate or 1.0, seed=seed,
+                       trace_block_size=trace_block_size)
         if isinstance(t, SessionWorkload):
             return t, t.name
         reqs, name = sample_window(t.requests, duration, seed), t.name
@@ -120,24 +121,25 @@ async def replay_sessions(url: str, loop: ClosedLoop,
     Returns:
       The records of the requests sent, in completion order, and the server's `/v1/workers`
       state after the last answer plus `max_send_lag_s`, `server_ttft_s` (as `replay`) and
-      `unsent_requests` (arrivals dropped by the bounds).
+      `unsent_requests` (requests of the started sessions not sent because of the bounds: the
+      dropped arrival and everything its session would have sent after it).
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     records: list[RequestRecord] = []
     lags: list[float] = []
     server_ttft: dict = {}
-    unsent = 0
+    sent = 0
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
         tasks: set[asyncio.Task] = set()
 
         def schedule(arrivals: list[tuple[float, Request]]) -> None:
-            nonlocal unsent
+            nonlocal sent
             for t, request in arrivals:
-                if t > deadline_s or (max_requests and len(records) + len(tasks) >= max_requests):
-                    unsent += 1
-                    continue
+                if t > deadline_s or (max_requests and sent >= max_requests):
+                    continue  # its session stops here: the rest of it is never made
+                sent += 1
                 task = asyncio.ensure_future(one(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -156,7 +158,7 @@ async def replay_sessions(url: str, loop: ClosedLoop,
         state = (await client.get("/v1/workers", headers=headers)).json()
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
-    state["unsent_requests"] = unsent
+    state["unsent_requests"] = loop.total_requests() - sent
     return records, state
 
 

@@ -92,6 +92,18 @@ class ClosedLoop:
         self._parent: dict[tuple[int, int], tuple[int, int, int]] = {}  # (sub, inst) -> wait key
         self.sent = 0
 
+    def total_requests(self) -> int:
+        """Requests of every started instance (its sub-agents' included), sent or not."""
+        sizes: dict[int, int] = {}
+
+        def size(s: int) -> int:
+            if s not in sizes:
+                ses = self.workload.sessions[s]
+                sizes[s] = len(ses.steps) + sum(size(sub.session) for sub in ses.subagents)
+            return sizes[s]
+
+        return sum(size(self.workload.roots[root]) for _, root in self.starts)
+
     def start(self) -> list[tuple[float, Request]]:
         """Every instance's first arrivals (its sub-agents listed first, or its first request),
         sorted by time."""

@@ -220,12 +220,14 @@ class _Loader:
         index = len(self.sessions)
         self.sessions.append(None)  # placeholder: sub-agents are appended after it
         steps, thinks, subs, ref = [], [], [], None
+        sub_end = None  # the latest end (its `t`) of the sub-agents since the last request
         for k, e in enumerate(entries):
             w = f"{where}.requests[{k}]"
             if not isinstance(e, dict):
                 raise ValueError(f"{w} must be a JSON object, got {_show(e)}")
-            _seconds(e, "t", w)
+            t = _seconds(e, "t", w)
             if e.get("type") == "subagent":
+                sub_end = t if sub_end is None else max(sub_end, t)
                 agent = e.get("agent_id") or f"sub{len(subs)}"
                 child = {"tool_tokens": tool, "system_tokens": system, **e}
                 subs.append(SubAgentStart(len(steps) - 1, self.steps(
@@ -233,7 +235,10 @@ class _Loader:
                 continue
             n_in, n_out = _int(e, "in", 1, w), _int(e, "out", 0, w, 0)
             ids = e.get("hash_ids")
-            arr = np.asarray(ids if isinstance(ids, list) else None)
+            try:
+                arr = np.asarray(ids if isinstance(ids, list) else None)
+            except (ValueError, TypeError, OverflowError):  # ragged or absurd lists
+                arr = np.asarray(None)
             if arr.ndim != 1 or (len(arr) and (arr.dtype.kind not in "iu" or arr.min() < 0
                                                 or arr.max() >= _SHARED)):
                 raise ValueError(f"{w}.hash_ids must be a list of integers in [0, 2^63)")
@@ -249,6 +254,9 @@ class _Loader:
             self.shared.append((int(own[0]) if len(own) else len(arr)) * source_bs
                                // self.block_size)
             think = _seconds(e, "think_time", w, 0.0)
+            if sub_end is not None:  # the parent waited for its sub-agents: the recorded gap
+                think = max(0.0, t - sub_end)  # since the last of them ended (their `t`)
+                sub_end = None
             thinks.append(think if steps else 0.0)  # the first request is sent at the start
             steps.append(len(self.requests))
             self.requests.append(Request(f"{sid}:{len(steps) - 1}", 0.0, n_in, n_out, chain,
@@ -280,9 +288,13 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
     if not (isinstance(warm_prefix_pct, (int, float)) and 0.0 <= warm_prefix_pct <= 1.0):
         raise ValueError(f"warm_prefix_pct must be in [0, 1], got {warm_prefix_pct!r}")
     path = pathlib.Path(path)
-    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not path.exists():
+        raise TraceFormatError(path, None, None, "no such file or folder")
+    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json" and f.is_file())
+             if path.is_dir() else [path])
     if not files:
         raise TraceFormatError(path, None, None, "no session files (*.json) in this folder")
+    owner: dict[str, pathlib.Path] = {}  # request id -> its file
     load = _Loader(block_size, float(warm_prefix_pct))
     roots, skipped = [], 0
     for f in files:
@@ -290,17 +302,22 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
         try:
             with open(f, "rb") as fh:
                 obj = json.loads(fh.read().decode("utf-8-sig"))
-            roots.append(load.session(obj, "session"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            root = load.session(obj, "session")
+            ids = [r.request_id for r in load.requests[n_req:]]
+            clash = next((i for i in ids if i in owner), None)
+            if clash is not None or len(set(ids)) != len(ids):
+                what = (f"{clash} is also in {owner[clash].name}" if clash is not None
+                        else "a sub-agent id repeats in this file")
+                raise ValueError(f"session and sub-agent ids must be unique: {what}")
+            owner.update(dict.fromkeys(ids, f))
+            roots.append(root)
+        except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
             del load.requests[n_req:], load.sessions[n_ses:], load.shared[n_req:]
             if not skip_malformed:
                 raise TraceFormatError(f, None, None, str(e)) from None
             skipped += 1
     if not roots:
         raise TraceFormatError(path, None, None, f"all {skipped} session files are malformed")
-    ids = [r.request_id for r in load.requests]
-    if len(set(ids)) != len(ids):
-        raise TraceFormatError(path, None, "id", "session ids must be unique across files")
     name = path.name if path.is_dir() else path.stem
     return SessionWorkload(name, tuple(load.requests), tuple(load.sessions), tuple(roots),
                            tuple(load.shared), str(path), skipped)

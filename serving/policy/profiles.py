@@ -224,19 +224,22 @@ def _read_profile_csv(path: str | os.PathLike) -> ProfileTable:
     return ProfileTable(*(np.asarray(cols[c]) for c in _COLUMNS))
 
 
-def coverage_gaps(table: ProfileTable, min_fraction: float = FULL_COVERAGE_FRACTION
-                  ) -> list[tuple[int, int, float]]:
-    """The rows of `table` (one per CP degree and input length) whose largest cached fraction
-    `cached_len / input_len` is below `min_fraction`: `(cp, input_len, largest fraction)`. A
+def coverage_gaps(table: ProfileTable, min_fraction: float = FULL_COVERAGE_FRACTION,
+                  slack_tokens: int = 512) -> list[tuple[int, int, float]]:
+    """The rows of `table` (one per CP degree and input length) whose largest cached prefix
+    stops short of `min_fraction` of the prompt: `L - h_max > ceil((1 - min_fraction) L) +
+    slack_tokens`, as `(cp, input_len, largest fraction)`. The slack allows for a measured
+    profile's cached lengths rounded down to whole KV blocks (`vertumnus_jax.profile`). A
     prefill with more of its prompt cached is charged that row's largest-fraction time by the
     simulator's ground truth (held, not extrapolated down), so such a table over-charges
     prompts that are mostly cached (agent traffic: 95-99 %)."""
-    best: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], int] = {}
     for c, L, h in zip(np.asarray(table.cp).tolist(), np.asarray(table.input_len).tolist(),
                        np.asarray(table.cached_len).tolist()):
         key = (int(c), int(L))
-        best[key] = max(best.get(key, 0.0), h / L)
-    return [(c, L, f) for (c, L), f in sorted(best.items()) if f < min_fraction]
+        best[key] = max(best.get(key, 0), int(h))
+    return [(c, L, h / L) for (c, L), h in sorted(best.items())
+            if L - h > math.ceil((1 - min_fraction) * L) + slack_tokens]
 
 
 def write_profile_csv(table: ProfileTable, path: str | os.PathLike) -> None:

@@ -107,11 +107,22 @@ def test_slo_reference_is_the_largest_listed_degree_whatever_the_systems(workloa
 def test_a_measured_profile_that_stops_at_90_percent_warns_naming_rows(tmp_path):
     from serving.policy.profiles import generate_profile, write_profile_csv
     path = tmp_path / "p.csv"
-    write_profile_csv(generate_profile("h20", "qwen3-30b-a3b", (2,), (1024, 8192),
+    write_profile_csv(generate_profile("h20", "qwen3-30b-a3b", (2,), (1024, 8192, 65536),
                                        (0.0, 0.5, 0.9), edge=False), path)
     cfg = ReplayConfig(num_gpus=8, degrees=(2,), profile_csv=str(path))
+    # L = 1024: 0.9 L is within 1 % + 512 tokens of L (a block's rounding): covered.
     with pytest.warns(UserWarning, match=r"2 profile rows stop below a 99% cached fraction: "
-                                         r"C=2 L=1024 \(to 90%\), C=2 L=8192 \(to 90%\)"):
+                                         r"C=2 L=8192 \(to 89.99%\), C=2 L=65536 \(to 90.00%\)"):
+        ReplayEnv.build(cfg, 512, {2})
+    # measured as vertumnus_jax.profile does (0.99, rounded down to 512-token blocks): no warning
+    from serving.policy.profiles import ProfileTable
+    rows = [(2, L, h, 0.1 + L * 1e-6 - h * 1e-6) for L in (8192, 65536)
+            for h in (0, (int(0.5 * L) // 512) * 512, (int(0.99 * L) // 512) * 512)]
+    import numpy as np
+    write_profile_csv(ProfileTable(*(np.asarray(c) for c in zip(*rows))), path)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         ReplayEnv.build(cfg, 512, {2})
 
 

@@ -174,7 +174,13 @@ def test_replay_sessions_closed_loop_against_a_server(server_url, tmp_path):
     loop = ClosedLoop(w, [(0.0, 0), (0.1, 1)], tpot_s=0.01)
     records, state = asyncio.run(replay_sessions(
         url, loop, lambda r: scaled_requests([r], scale, 16)[0], deadline_s=0.2))
-    assert len(records) == 2 and state["unsent_requests"] == 2
+    # the rest of both sessions (two requests each) is never sent
+    assert len(records) == 2 and state["unsent_requests"] == 4
+    loop = ClosedLoop(w, [(0.0, 0), (0.1, 1)], tpot_s=0.01)
+    records, state = asyncio.run(replay_sessions(
+        url, loop, lambda r: scaled_requests([r], scale, 16)[0], deadline_s=60.0,
+        max_requests=3))
+    assert len(records) == 3 and state["unsent_requests"] == 3
 
 
 def test_cli_replays_agent_sessions_closed_loop(server_url, tmp_path):

@@ -75,10 +75,12 @@ def test_second_request_waits_for_the_first_response_plus_think_time(tmp_path):
 
 
 def test_subagents_start_after_the_parent_response_and_the_parent_waits_for_them(tmp_path):
-    # parent p0, then two sub-agents, then p1 (think 50 s). The sub-agents start when p0's
-    # response ends and run concurrently on separate workers; p1 is sent 50 s after the later
-    # of the two sub-agents finished (the source replayer: the parent pauses until all
-    # sub-agents complete). x has two requests (think 3 s), y one.
+    # parent p0, then two sub-agents, then p1. The sub-agents start when p0's response ends
+    # and run concurrently on separate workers; p1 is sent after the later of the two finished
+    # (the source replayer: the parent pauses until all sub-agents complete), by the recorded
+    # gap since the sub-agents ended: a sub-agent entry's `t` is its end, so 60 - 4.5 = 55.5 s
+    # (p1's think_time, 50 s, counts from p0's response and so includes the sub-agents' run).
+    # x has two requests (think 3 s), y one.
     x = {"t": 4.0, "type": "subagent", "agent_id": "x",
          "requests": [req(0.0, 128, [7, 8]), req(3.0, 192, [7, 8, 9], think=3.0)]}
     y = {"t": 4.5, "type": "subagent", "agent_id": "y", "requests": [req(0.0, 64, [5])]}
@@ -94,7 +96,7 @@ def test_subagents_start_after_the_parent_response_and_the_parent_waits_for_them
     assert recs["p/x:1@0"].request.arrival_time == pytest.approx(end["p/x:0@0"] + 3.0)
     last = max(end["p/x:1@0"], end["p/y:0@0"])
     assert last == end["p/x:1@0"]
-    assert recs["p:1@0"].request.arrival_time == pytest.approx(last + 50.0)
+    assert recs["p:1@0"].request.arrival_time == pytest.approx(last + 55.5)
     # think times are capped by max_think_s
     capped, _ = replay(w, [(10.0, 0)], workers=3, max_think_s=20.0)
     assert capped["p:1@0"].request.arrival_time == pytest.approx(last + 20.0)
@@ -205,3 +207,23 @@ def test_public_agent_sessions_load_and_replay():
     one = ClosedLoop(w, [(0.0, 0)], tpot_s=0.03)
     first = one.start()
     assert len(first) >= 1 and first[0][0] == 0.0
+
+
+def test_duplicate_ids_name_both_files_and_bad_paths_are_format_errors(tmp_path):
+    folder = write(tmp_path / "s", [session("a", [req(0, 64, [1])])])
+    (folder / "copy.json").write_text((folder / "a.json").read_text())
+    with pytest.raises(TraceFormatError, match="a:0 is also in a.json"):
+        load_sessions(folder)
+    assert load_sessions(folder, skip_malformed=True).skipped == 1
+    (folder / "dir.json").mkdir()  # a folder named like a session file is not one
+    (folder / "UPPER.JSON").write_text(json.dumps(session("b", [req(0, 64, [1])])))
+    w = load_sessions(folder, skip_malformed=True)
+    assert sorted(r.request_id for r in w.requests) == ["a:0", "b:0"]
+    with pytest.raises(TraceFormatError, match="no such file or folder"):
+        load_sessions(tmp_path / "missing")
+    ragged = write(tmp_path / "r", [session("r", [req(0, 128, [1, 2])])])
+    obj = json.loads((ragged / "r.json").read_text())
+    obj["requests"][0]["hash_ids"] = [[1], [2, 3]]
+    (ragged / "r.json").write_text(json.dumps(obj))
+    with pytest.raises(TraceFormatError, match=r"requests\[0\].hash_ids"):
+        load_sessions(ragged)
