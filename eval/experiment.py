@@ -18,6 +18,8 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from eval.sim.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
 from eval.sim.simulator import SimConfig, intern_block_hashes, simulate
@@ -26,7 +28,7 @@ from eval.systems import Demand, PoolConfig, System, build_system
 from eval.offered_load import OpenLoad, offered_load
 from eval.replay_config import ReplayConfig
 from eval.traces.sessions import SessionWorkload
-from eval.traces.workloads import prefix_hit_tokens
+from eval.traces.workloads import prefix_hit_tokens, scale_to_rate
 from serving.policy.cost_model import PrefillCostModel
 from serving.policy.profiles import (FULL_COVERAGE_FRACTION, GPUS, MODELS, ProfileTable,
                                      coverage_gaps, generate_profile, read_profile_csv)
@@ -83,7 +85,7 @@ class ReplayEnv:
             table = read_profile_csv(cfg.profile_csv)
             gaps = coverage_gaps(table)
             if gaps:
-                shown = ", ".join(f"C={c} L={L} (to {f:.0%})" for c, L, f in gaps[:8])
+                shown = ", ".join(f"C={c} L={L} (to {f:.2%})" for c, L, f in gaps[:8])
                 warnings.warn(
                     f"{cfg.profile_csv}: {len(gaps)} profile rows stop below a "
                     f"{FULL_COVERAGE_FRACTION:.0%} cached fraction: {shown}"
@@ -152,10 +154,14 @@ class ReplayEnv:
                 self._pool_for(system.parallelism), demand=demand))
         return system
 
-    def demand(self, requests: Sequence[Request], rate: float) -> Demand:
+    def demand(self, requests: Sequence[Request], rate: float, timed: bool = True,
+               sample_size: int = 1000, seed: int = 0) -> Demand:
         """`PoolConfig.demand` of a workload at `rate`: the cost model's mean prefill time per
         degree, with 3/4 of each request's prefix hit as an unbounded shared cache would give
-        it (see the comment below)."""
+        it (see the comment below), and a sample of `sample_size` requests for what-if replays:
+        the workload's first requests on its own arrival times scaled to `rate` when `timed`,
+        else (closed-loop sessions, whose templates have no times) requests taken evenly over
+        the workload on Poisson arrivals at `rate` (seeded)."""
         # Finite per-worker caches keep part of what an unbounded shared cache would reuse
         # (measured here: about 0.7 of it on the conversation trace, 0.5 on the synthetic one,
         # nearly all on Tool-Agent); 0.75 is the assumption, not fitted per workload.
@@ -168,7 +174,19 @@ class ReplayEnv:
                               for r, h in zip(requests, hits)) / len(requests)
             return memo[c]
 
-        return Demand(rate, mean_seconds, max(r.input_len for r in requests))
+        n = min(sample_size, len(requests))
+        if timed:
+            picked = scale_to_rate(requests[:n], rate) if n > 1 else list(requests[:1])
+            idx = range(n)
+        else:  # consecutive templates keep a session's requests together
+            gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+            times = (np.cumsum(gaps) - gaps[0]).tolist()
+            picked = [dataclasses.replace(r, arrival_time=t) for r, t in zip(requests, times)]
+            idx = range(n)
+        sample = tuple((r.arrival_time - picked[0].arrival_time, r.input_len, int(hits[i]))
+                       for r, i in zip(picked, idx))
+        return Demand(rate, mean_seconds, max(r.input_len for r in requests), sample,
+                      tuple(picked))
 
     def ground_truth(self, cfg: ReplayConfig, parallelism: str = "cp") -> GroundTruthProfile:
         """A fresh ground-truth clock (same seed, so every system draws the same noise stream)
@@ -318,7 +336,10 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
     demands = {}
     for name, rate, factor in runs:
         if rate not in demands:
-            demands[rate] = env.demand(load.requests, load.request_rate(rate))
+            demands[rate] = dataclasses.replace(
+                env.demand(load.requests, load.request_rate(rate),
+                           timed=isinstance(load, OpenLoad), seed=cfg.seed),
+                working_set_tokens=getattr(load, "working_set_tokens", lambda r: None)(rate))
         system = env.build_system(name, demands[rate])
         par = system.parallelism
         records, sched = simulate_system(env, cfg, system, *with_slo.at_rate(rate))

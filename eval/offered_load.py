@@ -83,6 +83,20 @@ class SessionLoad:
             self.workload.roots)
         return num_gpus / per_session
 
+    def working_set_tokens(self, rate: float) -> float:
+        """The contexts the pool must keep for the sessions active at once in steady state at
+        `rate` sessions/s (tokens): `rate x E[instance duration] x E[context]`, a duration
+        being its capped think times plus its decode, a context a session's mean input."""
+        w, cap = self.workload, self.max_think_s
+        durations, contexts = [], []
+        for root in w.roots:
+            ses = w.sessions[root]
+            durations.append(sum(min(t, cap) for t in ses.think_times)
+                             + sum(w.requests[i].output_len * self.tpot_s for i in ses.steps))
+            contexts.append(sum(w.requests[i].input_len for i in ses.steps) / len(ses.steps))
+        n = len(w.roots)
+        return rate * (sum(durations) / n) * (sum(contexts) / n)
+
     def request_rate(self, rate: float) -> float:
         """The steady-state request rate of `rate` sessions/s (req/s)."""
         return rate * self.workload.requests_per_session()

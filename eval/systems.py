@@ -6,11 +6,18 @@ per degree, the fitted cost model). Built in here:
 - `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
   least-cost routing (`serving.policy.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
 - `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
-- `vertumnus`: the full system: initial composition from demand, the placement-cost router,
-  the split/merge controller and the global prefix-cache manager; `vertumnus-nocache` without
-  the cache manager, `vertumnus-static` without controller and cache manager (ablations);
-  `vertumnus-fetch` with `serving.policy.fetch_router.FetchingVertumnusRouter` (the placement cost
-  may fetch another worker's prefix; an extension beyond the paper);
+- `vertumnus`: the full system: the initial composition of least predicted mean TTFT on the
+  demand sample (`serving.policy.composition.choose_initial`), the placement-cost router (G
+  against the cheapest degree), the what-if split/merge controller
+  (`serving.policy.composition.CompositionController`) and the global prefix-cache manager;
+  `vertumnus-nocache` without the cache manager, `vertumnus-static` without controller and
+  cache manager (ablations); `vertumnus-fetch` with
+  `serving.policy.fetch_router.FetchingVertumnusRouter` (the placement cost may fetch another
+  worker's prefix);
+- `vertumnus-paper`: the policy as the paper describes it (initial composition with the most
+  large-degree workers that has enough capacity, G against the cheapest worker, the threshold
+  controller `serving.policy.controller.ReconfigurationController`); `vertumnus-paper+replay`
+  adds the replayed initial choice alone (ablation);
 - `static-threshold`: two fixed pools, half the GPUs at the largest of `--degrees` and half at
   the smallest, inputs of >= 8192 tokens to the large-degree pool (FlexLB's rule,
   `serving.baselines.StaticThresholdRouter`);
@@ -31,16 +38,20 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 
+from eval.whatif_sim import replay_choice
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.policy.controller import ControllerConfig, ReconfigurationController, initial_composition
+from serving.policy.composition import CompositionConfig, CompositionController, choose_initial
+from serving.policy.controller import (ControllerConfig, ReconfigurationController, compositions,
+                                       initial_composition)
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.plugins import import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.router import LeastWorkRouter, Router
+from serving.policy.request import Request
 from serving.policy.scheduler import CostModel, Scheduler
 from serving.policy.worker import WorkerSpec, homogeneous_degrees, layout_workers
 
@@ -53,11 +64,21 @@ class Demand:
       rate: requests per second.
       mean_prefill_seconds: CP degree -> mean predicted prefill time of a request (seconds).
       max_input_len: the longest prompt seen (tokens).
+      sample: requests `(arrival s, input tokens, expected cached tokens)` at `rate`, sorted,
+        for what-if replays (`serving.policy.whatif`); empty when unknown.
+      requests: the same sample as `Request`s (block hashes included), for simulated what-if
+        replays (`eval.whatif_sim`); empty when unknown.
+      working_set_tokens: the contexts the pool must keep at once in steady state (tokens;
+        closed-loop sessions, `eval.offered_load.SessionLoad.working_set_tokens`); None when
+        unknown.
     """
 
     rate: float
     mean_prefill_seconds: Callable[[int], float]
     max_input_len: int
+    sample: tuple[tuple[float, int, int], ...] = ()
+    requests: tuple[Request, ...] = ()
+    working_set_tokens: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,37 +217,80 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                      name: str = "vertumnus", beta: float = 1.0, lam: float = 1.0,
                      controller_config: ControllerConfig | None = None,
                      cache_config: CacheManagerConfig | None = None,
-                     fetch: bool = False) -> System:
-    """The full system: placement-cost router, split/merge controller and prefix-cache manager.
+                     fetch: bool | None = None, gpu_cost: str = "worker", initial: str = "replay",
+                     control: str = "whatif",
+                     composition_config: CompositionConfig | None = None) -> System:
+    """Vertumnus: placement-cost router, split/merge controller and prefix-cache manager.
 
-    The initial composition comes from the pool's historical demand (`initial_composition`,
-    target load = the controller's upper threshold), or `mixed_degrees` when none is known.
-    `beta`, `lam` and the two configs are the knobs of the sensitivity sweeps (the controller's
-    degree range is always the pool's `degrees`). `fetch` uses `FetchingVertumnusRouter` (the
-    placement cost may fetch another worker's prefix, priced at the pool's
-    `kv_transfer_gb_per_s`), an extension beyond the paper.
+    `initial` "replay" starts from the composition and router (with or without prefix fetch)
+    of least mean TTFT when the demand sample is simulated through each (`eval.whatif_sim`; the
+    router's cost model is the clock), "whatif" from the composition of least predicted mean
+    TTFT in the queueing replay (`choose_initial`), "paper" from the one with the most
+    large-degree workers
+    and enough capacity (`initial_composition`, target load the threshold controller's upper
+    threshold); `mixed_degrees` when no demand is known. `control` "whatif" runs
+    `CompositionController`, "paper" `ReconfigurationController`. `gpu_cost` is the router's
+    (`VertumnusRouter`). `beta`, `lam` and the configs are the knobs of the sensitivity sweeps
+    (the controller's degree range is always the pool's `degrees`). `fetch` uses
+    `FetchingVertumnusRouter`, priced at the pool's `kv_transfer_gb_per_s`.
     """
     degrees = sorted(set(pool.degrees))
     ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
                                   min_degree=degrees[0], max_degree=degrees[-1])
-    if pool.demand is not None:
-        d = pool.demand
-        # Keep at least one worker able to hold the longest prompt seen.
+    d = pool.demand
+    if d is not None:  # keep a worker able to hold the longest prompt seen
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
+    if d is not None and initial == "replay" and d.requests:
+        options = [c for c in compositions(pool.num_gpus, degrees) if max(c) >= need]
+        routers = {"cost": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="worker"),
+                   "cost-degree": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="degree"),
+                   "fetch": lambda: FetchingVertumnusRouter(
+                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s, beta=beta, lam=lam)}
+        if fetch is not None:  # the router is given: choose the composition only
+            routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
+        elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
+                pool.num_gpus * pool.kv_blocks_per_gpu * d.requests[0].block_size):
+            del routers["fetch"]  # copies would evict contexts the sessions need again
+        comp, chosen, _ = replay_choice(options, routers, d.requests, pool.workers,
+                                        pool.cost_model, pool.kv_bytes_per_token)
+        fetch = chosen == "fetch"
+        gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
+    elif d is not None and initial == "whatif" and d.sample:
+        comp, _ = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict, lam,
+                                 pool.max_input_len, min_largest_degree=need)
+    elif d is not None:
         comp = initial_composition(pool.num_gpus, degrees, d.rate, d.mean_prefill_seconds,
                                    ctl_cfg.upper, min_largest_degree=need)
     else:
         comp = mixed_degrees(pool.num_gpus, degrees)
     setup: list[Callable[[Scheduler], None]] = []
-    if controller:
+    if controller and control == "whatif":
+        cfg = dataclasses.replace(composition_config or CompositionConfig(), lam=lam,
+                                  min_degree=degrees[0], max_degree=degrees[-1])
+        setup.append(CompositionController(cfg, pool.max_input_len).attach)
+    elif controller:
         setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
     if cache_manager:
         setup.append(PrefixCacheManager(cache_config or CacheManagerConfig()).attach)
     router = (FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
                                       beta=beta, lam=lam) if fetch
-              else VertumnusRouter(beta=beta, lam=lam))
+              else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost))
     return System(name, pool.workers(comp), router, setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
+
+
+# Fetching duplicates prefixes across workers: when the demand's steady-state working set is
+# above this multiple of the pool's KV capacity, copies evict contexts that will be needed again,
+# which a short replay of the demand does not show, so the replayed choice leaves fetch out.
+# Set on the agent sessions (ws / capacity 0.6, 1.2, 1.8, 2.3 at load factors 0.1-0.4 with
+# Qwen3-30B-A3B; fetch won at the first two and lost at the last two): said in RESULTS.md.
+FETCH_WORKING_SET = 1.5
+
+
+def _paper(name: str, **kw) -> Callable[[PoolConfig], System]:
+    """The paper's policy, with `kw` switching this project's changes on one at a time."""
+    base = dict(gpu_cost="worker", initial="paper", control="paper")
+    return lambda pool: vertumnus_system(pool, name=name, **{**base, **kw})
 
 
 def _static_threshold(pool: PoolConfig) -> System:
@@ -244,6 +308,8 @@ def _homogeneous4(name: str, router_factory: Callable[[PoolConfig], Router],
 
 
 register_system("vertumnus", vertumnus_system)
+register_system("vertumnus-paper", _paper("vertumnus-paper"))
+register_system("vertumnus-paper+replay", _paper("vertumnus-paper+replay", initial="replay"))
 register_system("vertumnus-static", lambda pool: vertumnus_system(
     pool, controller=False, cache_manager=False, name="vertumnus-static"))
 register_system("vertumnus-nocache", lambda pool: vertumnus_system(

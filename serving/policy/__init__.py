@@ -15,7 +15,8 @@ Modules: `request`, `worker`, `backend` (the protocol both backends implement), 
 (queues, reservations, exactly-once completion) and its collaborators `reconfiguration`
 (epochs, splits and merges in progress) and `replication` (prefix copies and reclamations),
 `router` (protocol), `cost_router` and `fetch_router` (Vertumnus's placement cost),
-`controller` (split / merge), `prefix_index`, `prefix_trie`, `cache_manager`, `cost_model`,
+`composition` (the what-if split / merge controller; `whatif`, its replay) and `controller`
+(the paper's threshold controller), `prefix_index`, `prefix_trie`, `cache_manager`, `cost_model`,
 `profiles`, `specs`, `plugins` (`module:attr` loading), `checks`.
 """
 

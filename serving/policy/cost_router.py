@@ -11,8 +11,17 @@ worker holds (from the cluster's prefix index) and T the fitted prefill-time mod
 The scheduler reserves S_w(r) on the chosen worker at once and replaces the estimate by the
 actual time at completion. Ties go round-robin (deterministic, no bias toward worker 0).
 
-With one degree only (a homogeneous pool) G is 0 for every worker and the rule is cache-aware
-least-cost routing, the paper's homogeneous baseline.
+G as above (`gpu_cost="worker"`, the default and the paper's reading) also prices the cache: a
+worker without r's prefix is charged `(beta + lambda C)(S_cold - S_hit)` more on every request,
+which keeps traffic near its prefixes (fewer GPU-seconds under overload) but lets one warm
+worker take a shared system prompt's traffic until its queue exceeds that (issue 15: 316 vs
+46 requests per worker at 70 % load). `gpu_cost="degree"` prices only the degree,
+
+    G_w(r) = C_w * S_w(r) - min_C C * T(C, L_r, h_w(r))  (at w's own cached prefix)
+
+so a cache miss is paid once, in S, and with one degree G is 0 for every worker (cache-aware
+least-cost routing). The default system chooses between them by replaying its demand
+(`eval.whatif_sim`).
 """
 
 from __future__ import annotations
@@ -35,18 +44,23 @@ class VertumnusRouter:
         dominated by fixed costs (G ~ (C - 1) * T), so they stay on small degrees.
       cost_model: `predict(cp_degree, input_len, cached_len) -> seconds`; when None, the
         scheduler's (set by `bind`).
+      gpu_cost: "worker" (the paper's: G against the cheapest worker, the default) or "degree"
+        (against the cheapest degree at w's cached prefix); module doc.
 
     Raises:
-      ValueError: negative beta or lam.
+      ValueError: negative beta or lam, or an unknown gpu_cost.
     """
 
     def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
-                 name: str = "vertumnus") -> None:
+                 name: str = "vertumnus", gpu_cost: str = "worker") -> None:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         if not lam >= 0:
             raise ValueError(f"lam (lambda) must be >= 0, got {lam}")
+        if gpu_cost not in ("degree", "worker"):
+            raise ValueError(f"gpu_cost must be 'degree' or 'worker', got {gpu_cost!r}")
         self.beta, self.lam, self.name = float(beta), float(lam), name
+        self.gpu_cost = gpu_cost
         # h_w(r) counts blocks promised by prefills queued on w (FIFO: cached when r starts).
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
@@ -74,27 +88,35 @@ class VertumnusRouter:
                     cheapest = tg[1]
             st.append(tg)
         beta, lam = self.beta, self.lam
-        base = -lam * cheapest
+        if self.gpu_cost == "degree":
+            degrees = {w.spec.cp_degree for w in candidates}
+            floor = {m: min(c * predict(c, n, m * bs) for c in degrees)
+                     for m in set(matched_blocks)}
+            refs = [floor[m] for m in matched_blocks]
+        else:
+            refs = [cheapest] * len(candidates)
         out = []
-        for w, (t, g) in zip(candidates, st):
+        for w, (t, g), ref in zip(candidates, st, refs):
             q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
             if w.running is not None:
                 r = w.running_estimate - (now - w.running_start)
                 if r > 0:
                     q += r
-            out.append(q + beta * t + lam * g + base)
+            out.append(q + beta * t + lam * g - lam * ref)
         return out
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
         """Index into `candidates` of the least placement cost (`costs`), ties round-robin.
 
-        Computes exactly the floats `costs` returns (same operations, same order), with one
-        prediction per distinct (degree, match): the simulator's hot path.
+        Computes the costs `costs` returns, with one prediction per distinct (degree, match):
+        the simulator's hot path.
 
         Raises:
           ValueError: no candidate has a finite cost (the cost model returned NaN or inf).
         """
+        if self.gpu_cost == "degree":
+            return self._choose_by_degree(request, candidates, matched_blocks, now)
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
         beta, lam = self.beta, self.lam
         memo: dict[int, dict[int, tuple[float, float]]] = {}  # C -> m -> (beta*T, lam*C*T)
@@ -138,4 +160,51 @@ class VertumnusRouter:
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {[p + base for p in partial]}")
+        return best
+
+    def _choose_by_degree(self, request: Request, candidates: Sequence[WorkerState],
+                          matched_blocks: Sequence[int], now: float) -> int:
+        """`choose` with G against the cheapest degree at each worker's own match."""
+        predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
+        beta, lam = self.beta, self.lam
+        seconds: dict[tuple[int, int], float] = {}  # (C, m) -> T(C, L, m * bs)
+        extra: dict[tuple[int, int], float] = {}  # (C, m) -> beta * T + lam * G
+        degrees = None
+        total = []
+        append = total.append
+        for w, m in zip(candidates, matched_blocks):
+            c = w.spec.cp_degree
+            key = (c, m)
+            e = extra.get(key)
+            if e is None:
+                if degrees is None:
+                    degrees = {x.spec.cp_degree for x in candidates}
+                floor = float("inf")
+                for d in degrees:
+                    t = seconds.get((d, m))
+                    if t is None:
+                        t = seconds[(d, m)] = predict(d, n, m * bs)
+                    if d * t < floor:
+                        floor = d * t
+                t = seconds[key]
+                e = extra[key] = beta * t + lam * (c * t - floor)
+            q = w.queued_seconds  # inline of WorkerState.outstanding_seconds
+            if w.running is not None:
+                r = w.running_estimate - (now - w.running_start)
+                if r > 0:
+                    q += r
+            append(q + e)
+        k = len(total)
+        start = self._rotation % k
+        self._rotation += 1
+        best, best_cost = -1, float("inf")
+        for i in range(start, k):
+            if total[i] < best_cost:
+                best, best_cost = i, total[i]
+        for i in range(start):
+            if total[i] < best_cost:
+                best, best_cost = i, total[i]
+        if best < 0:
+            raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
+                             f"cost model returned {total}")
         return best

@@ -83,6 +83,29 @@ def test_costs_match_formula_by_hand(cost_model):
                                    2 * t2 + 0.5 * (2 * t2 - cheapest)])
 
 
+def test_degree_cost_by_hand_and_choose_agrees_with_costs(cost_model):
+    # gpu_cost="degree": G against the cheapest degree at each worker's own match.
+    router = VertumnusRouter(beta=2.0, lam=0.5, cost_model=cost_model, gpu_cost="degree")
+    s = scheduler([4, 2, 2], cost_model, router)
+    r = req("x", 8192)
+    s.workers[1].queued_seconds = 0.7
+    candidates = list(s.workers.values())
+    costs = router.costs(r, candidates, [0, 3, 0], now=0.0)
+    t = {(c, h): cost_model.predict(c, 8192, h) for c in (2, 4) for h in (0, 1536)}
+    floor = {h: min(c * t[(c, h)] for c in (2, 4)) for h in (0, 1536)}
+    assert costs == pytest.approx([2 * t[(4, 0)] + 0.5 * (4 * t[(4, 0)] - floor[0]),
+                                   0.7 + 2 * t[(2, 1536)] + 0.5 * (2 * t[(2, 1536)] - floor[1536]),
+                                   2 * t[(2, 0)] + 0.5 * (2 * t[(2, 0)] - floor[0])])
+    assert router.choose(r, candidates, [0, 3, 0], 0.0) == costs.index(min(costs))
+    # one degree: G = 0, the cost is Q + beta S whatever the caches hold
+    one = VertumnusRouter(beta=1.0, lam=1.0, cost_model=cost_model, gpu_cost="degree")
+    s2 = scheduler([2, 2], cost_model, one)
+    costs = one.costs(r, list(s2.workers.values()), [4, 0], 0.0)
+    assert costs == pytest.approx([cost_model.predict(2, 8192, 2048), t[(2, 0)]])
+    with pytest.raises(ValueError, match="gpu_cost"):
+        VertumnusRouter(gpu_cost="cache")
+
+
 def test_rejects_negative_weights():
     with pytest.raises(ValueError, match="beta"):
         VertumnusRouter(beta=-1)

@@ -1,0 +1,290 @@
+"""The default split/merge controller: change the composition only when a what-if replay says
+the change pays, its transition included.
+
+Every `interval_s` the controller takes the requests placed in the last `window_s` (at most
+`max_samples`, the most recent; each with the prefix it was expected to find cached) and
+replays them (`serving.policy.whatif`) through candidate compositions:
+
+- *stay*: the current workers, each starting with its outstanding work;
+- *split* one worker of degree 2C (per degree, the one that drains first) into two of C;
+- *merge* two buddy workers of degree C (per degree, the pair that drains first) into one 2C.
+
+A candidate's changed workers start unavailable for their drain (the running prefill), the
+work queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the
+transition is paid inside the prediction. The best candidate is made only when its predicted
+mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
+change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
+split, or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
+compared and their predicted mean TTFT, whether a change was made and why.
+
+This replaces the threshold rules of `serving.policy.controller.ReconfigurationController`
+(the paper's, kept for `vertumnus-paper`), whose load signal weighed every arrival at the
+smallest degree and so missed overload on large-degree workers, and which reconfigured under
+overload when draining costs the most. `choose_initial` picks the starting composition the same
+way, over every composition of the allowed degrees, on a sample of historical demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from serving.policy.checks import require_finite
+from serving.policy.controller import compositions
+from serving.policy.request import Request
+from serving.policy.whatif import Sample, Window, best_composition, replay_ttft
+from serving.policy.worker import WorkerState, WorkerStatus, are_buddies, merge_buddies, split_halves
+
+
+@dataclasses.dataclass(frozen=True)
+class CompositionConfig:
+    """Knobs of `CompositionController` (module doc); times in seconds.
+
+    Raises:
+      ValueError: naming the field, for a value out of range.
+    """
+
+    interval_s: float = 30.0
+    window_s: float = 60.0
+    max_samples: int = 400
+    min_gain: float = 0.25
+    min_gain_s: float = 0.005
+    cooldown_s: float = 60.0
+    reverse_after_s: float = 600.0
+    recarve_s: float = 1.0
+    lam: float = 1.0
+    min_degree: int = 1
+    max_degree: int = 8
+
+    def __post_init__(self) -> None:
+        require_finite(self, ("interval_s", "window_s", "min_gain", "min_gain_s", "cooldown_s",
+                              "reverse_after_s", "recarve_s", "lam"))
+        if not (self.interval_s > 0 and self.window_s > 0):
+            raise ValueError(f"interval_s and window_s must be > 0 s, got {self.interval_s}, "
+                             f"{self.window_s}")
+        if self.max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {self.max_samples}")
+        for name in ("min_gain", "min_gain_s", "cooldown_s", "reverse_after_s", "recarve_s",
+                     "lam"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_degree", "max_degree"):
+            c = getattr(self, name)
+            if not isinstance(c, int) or c < 1 or c & (c - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {c!r}")
+        if self.min_degree > self.max_degree:
+            raise ValueError(f"need min_degree <= max_degree, got {self.min_degree}, "
+                             f"{self.max_degree}")
+
+
+class CompositionController:
+    """Splits and merges when a what-if replay predicts a gain net of the transition.
+
+    Args:
+      config: `CompositionConfig`.
+      max_input_len: `cp_degree -> tokens` for the workers it creates.
+
+    Use: `controller.attach(scheduler)` registers its placement and tick hooks. `decisions`
+    logs every evaluation (time, candidates with predicted mean TTFT, the choice, the reason).
+    """
+
+    def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int]) -> None:
+        self.config = config
+        self.max_input_len = max_input_len
+        self.decisions: list[dict] = []
+        self._samples: deque[Sample] = deque()
+        self._next_eval = None
+        self._quiet_until = 0.0
+        self._last = (None, -float("inf"))  # (kind, time) of the last change made
+        self.longest = 0  # the longest prompt seen: a split never leaves none to hold it
+
+    def attach(self, scheduler) -> None:
+        self._scheduler = scheduler
+        scheduler.placement_hooks.append(self.observe)
+        scheduler.tick_hooks.append(self.tick)
+
+    def observe(self, request: Request, cached_len: int, now: float) -> None:
+        """Records a placed request (its expected cached prefix) for the next evaluation."""
+        self._samples.append((now, request.input_len, cached_len))
+        if request.input_len > self.longest:
+            self.longest = request.input_len
+        if len(self._samples) > 4 * self.config.max_samples:
+            self._samples.popleft()
+
+    def tick(self, scheduler, now: float) -> None:
+        """Evaluates the candidates every `interval_s` and makes at most one change."""
+        cfg = self.config
+        if self._next_eval is None:
+            self._next_eval = now + cfg.interval_s
+        if now < self._next_eval or scheduler.reconfig.in_progress or now < self._quiet_until:
+            return
+        self._next_eval = now + cfg.interval_s
+        samples = self._samples
+        while samples and samples[0][0] <= now - cfg.window_s:
+            samples.popleft()
+        if not samples:
+            return
+        recent = list(samples)[-cfg.max_samples:]
+        t0 = recent[0][0]
+        sample = [(t - t0, n, h) for t, n, h in recent]  # replayed from now on
+        op, figures = self._best(scheduler, now, sample)
+        entry = {"time": now, "samples": len(sample), "candidates": figures,
+                 "chosen": figures[0][0] if op is None else figures[1][0]}
+        if op is not None:
+            rec = scheduler.begin_reconfiguration(*op, now)
+            self._quiet_until = now + cfg.cooldown_s
+            self._last = (rec.kind, now)
+            entry.update(kind=rec.kind, old=list(rec.old_ids),
+                         new=[s.worker_id for s in rec.new_specs], epoch=rec.epoch,
+                         reason=f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
+                                f"{figures[0][1] * 1e3:.1f} ms staying")
+        else:
+            entry["reason"] = "no candidate beats staying by the margin"
+        self.decisions.append(entry)
+
+    # ------------------------------------------------------------------------- candidates
+    def _best(self, scheduler, now: float, sample: list[Sample]):
+        """`(op or None, [(label, predicted mean TTFT s), ...])`: stay first, then the best."""
+        cfg = self.config
+        active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
+        if len(active) != len(scheduler.workers):
+            return None, [("stay", float("nan"))]
+        degrees = sorted({w.cp_degree for w in active} | {
+            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= cfg.max_degree})
+        window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
+        free = {w.worker_id: w.outstanding_seconds(now) for w in active}
+        stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
+                              [free[w.worker_id] for w in active])
+        options = []
+        last_kind, last_time = self._last
+        for olds, news in self._changes(active, now):
+            kind = "split" if len(news) > len(olds) else "merge"
+            if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
+                continue  # no undoing a change before `reverse_after_s` (no flapping)
+            drain = max(w.running_estimate - (now - w.running_start) if w.running else 0.0
+                        for w in olds)
+            queued = sum(w.queued_seconds for w in olds)
+            start = max(drain, 0.0) + cfg.recarve_s + queued / len(news)
+            kept = [w for w in active if w not in olds]
+            comp = [w.cp_degree for w in kept] + list(news)
+            ttft, unheld = replay_ttft(comp, window, cfg.lam,
+                                       [free[w.worker_id] for w in kept] + [start] * len(news))
+            if unheld:
+                continue
+            label = f"{kind} {[w.worker_id for w in olds]}"
+            options.append((ttft, label, olds, news))
+        figures = [("stay", stay)] + [(label, t) for t, label, _, _ in sorted(
+            options, key=lambda o: o[0])]
+        if not options:
+            return None, figures
+        ttft, label, olds, news = min(options, key=lambda o: o[0])
+        if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
+            # One step may gain little where several do (overload on large workers): compare
+            # every composition with the current one on equal terms (each worker starting with
+            # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
+            # way) and, when the best is better by the margin, take a step toward it that is
+            # itself predicted no worse than staying.
+            target, target_ttft, now_ttft, backlog = self._target(active, window, free)
+            figures += [("current, beyond the backlog", now_ttft - backlog),
+                        (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
+            toward = [o for o in options if o[0] <= stay and self._closer(active, o, target)]
+            gain = now_ttft - target_ttft
+            if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
+                                  and gain >= cfg.min_gain_s):
+                return None, figures
+            ttft, label, olds, news = min(toward, key=lambda o: o[0])
+            figures.insert(1, (label + " (toward the target)", ttft))
+        if len(olds) == 1:
+            new = split_halves(olds[0].spec, scheduler.new_worker_ids(2), self.max_input_len)
+            return ("split", [olds[0].worker_id], list(new)), figures
+        [new_id] = scheduler.new_worker_ids(1)
+        return ("merge", [olds[0].worker_id, olds[1].worker_id],
+                [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)]), figures
+
+    def _target(self, active, window: Window, free: dict):
+        """`(composition, its predicted mean TTFT, the current one's, the backlog)` for the best
+        composition of the pool's GPUs (a worker for the longest prompt kept), every worker of
+        either starting with the pool's backlog (outstanding GPU-seconds per GPU, s)."""
+        cfg = self.config
+        gpus = sum(w.cp_degree for w in active)
+        backlog = sum(w.cp_degree * free[w.worker_id] for w in active) / gpus
+        degrees = [c for c in window.seconds if cfg.min_degree <= c <= cfg.max_degree]
+        need = min((c for c in degrees if self.max_input_len(c) >= self.longest),
+                   default=max(degrees))
+        current = sorted(w.cp_degree for w in active)
+        now_ttft, _ = replay_ttft(current, window, cfg.lam, [backlog] * len(current))
+        best = (now_ttft, tuple(current))
+        for comp in compositions(gpus, degrees):
+            if max(comp) < need:
+                continue
+            ttft, unheld = replay_ttft(comp, window, cfg.lam, [backlog] * len(comp))
+            if not unheld and ttft < best[0]:
+                best = (ttft, tuple(comp))
+        return best[1], best[0], now_ttft, backlog
+
+    @staticmethod
+    def _closer(active, option, target) -> bool:
+        """Whether `option`'s change moves the degree counts toward `target`."""
+        now = sorted(w.cp_degree for w in active)
+        _, _, olds, news = option
+        after = sorted([c for c in now] + list(news))
+        for w in olds:
+            after.remove(w.cp_degree)
+        return _steps(after, list(target)) < _steps(now, list(target))
+
+    def _changes(self, active: Sequence[WorkerState], now: float):
+        """Per degree, the split and the merge that drain first: `(old workers, new degrees)`."""
+        cfg = self.config
+        now_load = {w.worker_id: w.outstanding_seconds(now) for w in active}
+        holders = [w for w in active if w.spec.max_input_len >= self.longest]
+        for c in sorted({w.cp_degree for w in active}):
+            if c // 2 >= cfg.min_degree:
+                cands = [w for w in active if w.cp_degree == c and not (
+                    holders == [w] and self.max_input_len(c // 2) < self.longest)]
+                if cands:
+                    w = min(cands, key=lambda w: (now_load[w.worker_id], w.spec.first_device))
+                    yield [w], [c // 2, c // 2]
+            if 2 * c <= cfg.max_degree:
+                pairs = [(a, b) for a, b in itertools.combinations(
+                    [w for w in active if w.cp_degree == c], 2) if are_buddies(a.spec, b.spec)]
+                if pairs:
+                    a, b = min(pairs, key=lambda p: (max(now_load[p[0].worker_id],
+                                                         now_load[p[1].worker_id]),
+                                                     min(p[0].spec.first_device,
+                                                         p[1].spec.first_device)))
+                    yield [a, b], [2 * c]
+
+
+def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sample],
+                   predict: Callable[[int, int, int], float], lam: float = 1.0,
+                   max_input_len: Callable[[int], int] | None = None,
+                   min_largest_degree: int = 1
+                   ) -> tuple[list[int], dict[tuple[int, ...], float]]:
+    """The starting composition: of every composition of `degrees` filling `num_gpus` with a
+    worker of at least `min_largest_degree`, the one of least predicted mean TTFT when `sample`
+    (historical demand: `(t, L, h)` sorted by t) is replayed through it
+    (`serving.policy.whatif.best_composition`).
+
+    Returns:
+      `(composition, {composition: predicted mean TTFT in seconds})`.
+
+    Raises:
+      ValueError: no composition fills `num_gpus`, or an empty sample.
+    """
+    options = [c for c in compositions(num_gpus, degrees) if max(c) >= min_largest_degree]
+    if not options:
+        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
+                         f"with a worker of degree >= {min_largest_degree}")
+    window = Window.of(sample, degrees, predict, max_input_len)
+    return best_composition(options, window, lam)
+
+
+def _steps(a: Sequence[int], b: Sequence[int]) -> int:
+    """Splits and merges from composition `a` to `b` of the same GPUs, estimated as the change
+    in worker count (each split adds one worker, each merge removes one; exact when one
+    composition refines the other), at least 1 when they differ."""
+    if sorted(a) == sorted(b):
+        return 0
+    return max(1, abs(len(a) - len(b)))
