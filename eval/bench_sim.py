@@ -47,7 +47,7 @@ from eval.traces.workloads import scale_to_rate
 _DEFAULT_TRACE = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or pathlib.Path(
     __file__).resolve().parents[1].parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
-SYSTEMS = ("vertumnus", "vertumnus-nocache", "vertumnus-static", "homogeneous-cp2",
+SYSTEMS = ("vertumnus", "vertumnus-paper", "vertumnus-nocache", "vertumnus-static", "homogeneous-cp2",
            "homogeneous-cp4", "leastwork-cp4", "static-threshold", "vllm-tp4", "sglang-cp4",
            "dynamo-cp4", "mooncake-cp4")
 TARGET_REQ_PER_S = 20_000.0

@@ -155,13 +155,14 @@ class ReplayEnv:
         return system
 
     def demand(self, requests: Sequence[Request], rate: float, timed: bool = True,
-               sample_size: int = 1000, seed: int = 0) -> Demand:
+               sample_size: int = 1000, seed: int = 0,
+               order: Sequence[int] | None = None) -> Demand:
         """`PoolConfig.demand` of a workload at `rate`: the cost model's mean prefill time per
         degree, with 3/4 of each request's prefix hit as an unbounded shared cache would give
         it (see the comment below), and a sample of `sample_size` requests for what-if replays:
         the workload's first requests on its own arrival times scaled to `rate` when `timed`,
-        else (closed-loop sessions, whose templates have no times) requests taken evenly over
-        the workload on Poisson arrivals at `rate` (seeded)."""
+        else (closed-loop sessions, whose templates have no times) the requests at `order`
+        (default: the first ones) on Poisson arrivals at `rate` (seeded)."""
         # Finite per-worker caches keep part of what an unbounded shared cache would reuse
         # (measured here: about 0.7 of it on the conversation trace, 0.5 on the synthetic one,
         # nearly all on Tool-Agent); 0.75 is the assumption, not fitted per workload.
@@ -178,11 +179,12 @@ class ReplayEnv:
         if timed:
             picked = scale_to_rate(requests[:n], rate) if n > 1 else list(requests[:1])
             idx = range(n)
-        else:  # consecutive templates keep a session's requests together
+        else:
+            idx = list(order)[:n] if order is not None else list(range(n))
+            n = len(idx)
             gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
             times = (np.cumsum(gaps) - gaps[0]).tolist()
-            picked = [dataclasses.replace(r, arrival_time=t) for r, t in zip(requests, times)]
-            idx = range(n)
+            picked = [dataclasses.replace(requests[i], arrival_time=t) for i, t in zip(idx, times)]
         sample = tuple((r.arrival_time - picked[0].arrival_time, r.input_len, int(hits[i]))
                        for r, i in zip(picked, idx))
         return Demand(rate, mean_seconds, max(r.input_len for r in requests), sample,
@@ -338,7 +340,8 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
         if rate not in demands:
             demands[rate] = dataclasses.replace(
                 env.demand(load.requests, load.request_rate(rate),
-                           timed=isinstance(load, OpenLoad), seed=cfg.seed),
+                           timed=isinstance(load, OpenLoad), seed=cfg.seed,
+                           order=getattr(load, "sample_order", lambda n: None)(1000)),
                 working_set_tokens=getattr(load, "working_set_tokens", lambda r: None)(rate))
         system = env.build_system(name, demands[rate])
         par = system.parallelism
@@ -351,6 +354,7 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
             "gpu_busy_fraction": busy,
             "system": name, "trace": trace_name, **load.describe(rate), "load_factor": factor,
             "composition": system.composition, "parallelism": par, "num_gpus": cfg.num_gpus,
+            "router": type(system.router).__name__,
             "gpu": cfg.gpu, "model": cfg.model,
             "profile": (cfg.profile_csv or "analytic") if par == "cp" else f"analytic-{par}",
             "slo": cfg.slo, "noise_sigma": cfg.noise_sigma, "seed": cfg.seed,

@@ -97,6 +97,19 @@ class SessionLoad:
         n = len(w.roots)
         return rate * (sum(durations) / n) * (sum(contexts) / n)
 
+    def sample_order(self, n: int) -> list[int]:
+        """Indices of `n` templates for a demand sample: round-robin over the top-level
+        sessions in turn (request k of every session before request k+1 of any), so a sample
+        sees many sessions at once, as the replay does, each in its own order."""
+        w = self.workload
+        queues = [list(w.sessions[r].steps) for r in w.roots]
+        out: list[int] = []
+        k = 0
+        while len(out) < n and any(k < len(q) for q in queues):
+            out += [q[k] for q in queues if k < len(q)][:n - len(out)]
+            k += 1
+        return out
+
     def request_rate(self, rate: float) -> float:
         """The steady-state request rate of `rate` sessions/s (req/s)."""
         return rate * self.workload.requests_per_session()

@@ -251,8 +251,13 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
                 pool.num_gpus * pool.kv_blocks_per_gpu * d.requests[0].block_size):
             del routers["fetch"]  # copies would evict contexts the sessions need again
-        comp, chosen, _ = replay_choice(options, routers, d.requests, pool.workers,
-                                        pool.cost_model, pool.kv_bytes_per_token)
+        if len(options) > MAX_REPLAYED:  # keep the queueing replay's best few
+            _, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
+                                       lam, pool.max_input_len, min_largest_degree=need)
+            options = sorted(options, key=lambda c: scores[tuple(c)])[:MAX_REPLAYED]
+        comp, chosen, _ = replay_choice(
+            options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
+            tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s))
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
     elif d is not None and initial == "whatif" and d.sample:
@@ -267,7 +272,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     if controller and control == "whatif":
         cfg = dataclasses.replace(composition_config or CompositionConfig(), lam=lam,
                                   min_degree=degrees[0], max_degree=degrees[-1])
-        setup.append(CompositionController(cfg, pool.max_input_len).attach)
+        longest = d.max_input_len if d is not None else 0
+        setup.append(CompositionController(cfg, pool.max_input_len, longest).attach)
     elif controller:
         setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
     if cache_manager:
@@ -285,6 +291,9 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
 # Set on the agent sessions (ws / capacity 0.6, 1.2, 1.8, 2.3 at load factors 0.1-0.4 with
 # Qwen3-30B-A3B; fetch won at the first two and lost at the last two): said in RESULTS.md.
 FETCH_WORKING_SET = 1.5
+# Compositions the simulated replay tries at most (the queueing replay ranks the rest out):
+# 40 GPUs over {1, 2, 4, 8} have 286.
+MAX_REPLAYED = 16
 
 
 def _paper(name: str, **kw) -> Callable[[PoolConfig], System]:

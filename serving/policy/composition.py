@@ -11,7 +11,11 @@ replays them (`serving.policy.whatif`) through candidate compositions:
 
 A candidate's changed workers start unavailable for their drain (the running prefill), the
 work queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the
-transition is paid inside the prediction. The best candidate is made only when its predicted
+transition is paid inside the prediction. When the window's work exceeds the pool's capacity
+(its load: the fewest GPU-seconds each request needs at the pool's degrees, over the window's
+span times the GPUs; the signal the paper's controller computed at the smallest degree only),
+queues grow whatever a short window shows: the change that lowers the load most is made, if it
+lowers it by a fifth of the margin. The best candidate is made only when its predicted
 mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
 change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
 split, or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
@@ -85,12 +89,15 @@ class CompositionController:
     Args:
       config: `CompositionConfig`.
       max_input_len: `cp_degree -> tokens` for the workers it creates.
+      longest: the longest prompt expected (tokens; e.g. from historical demand), so a worker
+        able to hold it is kept before such a prompt is seen.
 
     Use: `controller.attach(scheduler)` registers its placement and tick hooks. `decisions`
     logs every evaluation (time, candidates with predicted mean TTFT, the choice, the reason).
     """
 
-    def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int]) -> None:
+    def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int],
+                 longest: int = 0) -> None:
         self.config = config
         self.max_input_len = max_input_len
         self.decisions: list[dict] = []
@@ -98,7 +105,9 @@ class CompositionController:
         self._next_eval = None
         self._quiet_until = 0.0
         self._last = (None, -float("inf"))  # (kind, time) of the last change made
-        self.longest = 0  # the longest prompt seen: a split never leaves none to hold it
+        # the longest prompt seen or expected (historical demand): a split never leaves no
+        # worker able to hold it
+        self.longest = longest
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -151,15 +160,17 @@ class CompositionController:
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))]
+        known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
         degrees = sorted({w.cp_degree for w in active} | {
-            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= cfg.max_degree})
+            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= cfg.max_degree
+            and (known is None or c in known)})
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
                               [free[w.worker_id] for w in active])
         options = []
         last_kind, last_time = self._last
-        for olds, news in self._changes(active, now):
+        for olds, news in self._changes(active, now, set(degrees)):
             kind = "split" if len(news) > len(olds) else "merge"
             if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
                 continue  # no undoing a change before `reverse_after_s` (no flapping)
@@ -174,12 +185,19 @@ class CompositionController:
             if unheld:
                 continue
             label = f"{kind} {[w.worker_id for w in olds]}"
-            options.append((ttft, label, olds, news))
-        figures = [("stay", stay)] + [(label, t) for t, label, _, _ in sorted(
+            options.append((ttft, label, olds, news, _load(comp, window)))
+        figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
             options, key=lambda o: o[0])]
         if not options:
             return None, figures
-        ttft, label, olds, news = min(options, key=lambda o: o[0])
+        load = _load([w.cp_degree for w in active], window)
+        if load > 1.0:  # overloaded: queues grow whatever the window shows; add capacity first
+            best = min(options, key=lambda o: o[4])
+            figures.append(("load (work / capacity) staying", load))
+            if best[4] < load * (1 - cfg.min_gain / 5):
+                figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
+                return self._op(scheduler, best[2], best[3]), figures
+        ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
         if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
             # One step may gain little where several do (overload on large workers): compare
             # every composition with the current one on equal terms (each worker starting with
@@ -189,19 +207,25 @@ class CompositionController:
             target, target_ttft, now_ttft, backlog = self._target(active, window, free)
             figures += [("current, beyond the backlog", now_ttft - backlog),
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
-            toward = [o for o in options if o[0] <= stay and self._closer(active, o, target)]
+            # the step itself must gain too (a fifth of the margin): each one drains workers
+            toward = [o for o in options if o[0] <= stay * (1 - cfg.min_gain / 5)
+                      and self._closer(active, o, target)]
             gain = now_ttft - target_ttft
             if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
                                   and gain >= cfg.min_gain_s):
                 return None, figures
-            ttft, label, olds, news = min(toward, key=lambda o: o[0])
+            ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.insert(1, (label + " (toward the target)", ttft))
+        return self._op(scheduler, olds, news), figures
+
+    def _op(self, scheduler, olds, news):
+        """The `begin_reconfiguration` arguments of replacing `olds` by workers of `news`."""
         if len(olds) == 1:
             new = split_halves(olds[0].spec, scheduler.new_worker_ids(2), self.max_input_len)
-            return ("split", [olds[0].worker_id], list(new)), figures
+            return "split", [olds[0].worker_id], list(new)
         [new_id] = scheduler.new_worker_ids(1)
         return ("merge", [olds[0].worker_id, olds[1].worker_id],
-                [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)]), figures
+                [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)])
 
     def _target(self, active, window: Window, free: dict):
         """`(composition, its predicted mean TTFT, the current one's, the backlog)` for the best
@@ -209,17 +233,19 @@ class CompositionController:
         either starting with the pool's backlog (outstanding GPU-seconds per GPU, s)."""
         cfg = self.config
         gpus = sum(w.cp_degree for w in active)
-        backlog = sum(w.cp_degree * free[w.worker_id] for w in active) / gpus
+        spread = sum(w.cp_degree * free[w.worker_id] for w in active) / gpus
+        # what every composition pays alike: each request's wait for the backlog to clear
+        backlog = sum(max(spread - t, 0.0) for t in window.arrivals) / len(window.arrivals)
         degrees = [c for c in window.seconds if cfg.min_degree <= c <= cfg.max_degree]
         need = min((c for c in degrees if self.max_input_len(c) >= self.longest),
                    default=max(degrees))
         current = sorted(w.cp_degree for w in active)
-        now_ttft, _ = replay_ttft(current, window, cfg.lam, [backlog] * len(current))
+        now_ttft, _ = replay_ttft(current, window, cfg.lam, [spread] * len(current))
         best = (now_ttft, tuple(current))
         for comp in compositions(gpus, degrees):
             if max(comp) < need:
                 continue
-            ttft, unheld = replay_ttft(comp, window, cfg.lam, [backlog] * len(comp))
+            ttft, unheld = replay_ttft(comp, window, cfg.lam, [spread] * len(comp))
             if not unheld and ttft < best[0]:
                 best = (ttft, tuple(comp))
         return best[1], best[0], now_ttft, backlog
@@ -228,25 +254,26 @@ class CompositionController:
     def _closer(active, option, target) -> bool:
         """Whether `option`'s change moves the degree counts toward `target`."""
         now = sorted(w.cp_degree for w in active)
-        _, _, olds, news = option
+        _, _, olds, news, _ = option
         after = sorted([c for c in now] + list(news))
         for w in olds:
             after.remove(w.cp_degree)
         return _steps(after, list(target)) < _steps(now, list(target))
 
-    def _changes(self, active: Sequence[WorkerState], now: float):
-        """Per degree, the split and the merge that drain first: `(old workers, new degrees)`."""
+    def _changes(self, active: Sequence[WorkerState], now: float, known):
+        """Per degree, the split and the merge that drain first: `(old workers, new degrees)`,
+        into degrees in `known` only (those the cost model and the window predict)."""
         cfg = self.config
         now_load = {w.worker_id: w.outstanding_seconds(now) for w in active}
         holders = [w for w in active if w.spec.max_input_len >= self.longest]
         for c in sorted({w.cp_degree for w in active}):
-            if c // 2 >= cfg.min_degree:
+            if c // 2 >= cfg.min_degree and c // 2 in known:
                 cands = [w for w in active if w.cp_degree == c and not (
                     holders == [w] and self.max_input_len(c // 2) < self.longest)]
                 if cands:
                     w = min(cands, key=lambda w: (now_load[w.worker_id], w.spec.first_device))
                     yield [w], [c // 2, c // 2]
-            if 2 * c <= cfg.max_degree:
+            if 2 * c <= cfg.max_degree and 2 * c in known:
                 pairs = [(a, b) for a, b in itertools.combinations(
                     [w for w in active if w.cp_degree == c], 2) if are_buddies(a.spec, b.spec)]
                 if pairs:
@@ -279,6 +306,19 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
                          f"with a worker of degree >= {min_largest_degree}")
     window = Window.of(sample, degrees, predict, max_input_len)
     return best_composition(options, window, lam)
+
+
+def _load(degrees: Sequence[int], window: Window) -> float:
+    """The window's work over the composition's capacity: per request the fewest GPU-seconds
+    any of its degrees needs, summed, over (the window's span x its GPUs); above 1 the queues
+    grow whatever the placement."""
+    span = max(window.arrivals[-1] - window.arrivals[0], 1.0) if window.arrivals else 1.0
+    kinds = sorted(set(degrees))
+    work = 0.0
+    for i in range(len(window.arrivals)):
+        need = [c * window.seconds[c][i] for c in kinds if window.seconds[c][i] is not None]
+        work += min(need) if need else 0.0
+    return work / (span * sum(degrees))
 
 
 def _steps(a: Sequence[int], b: Sequence[int]) -> int:

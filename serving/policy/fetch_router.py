@@ -79,20 +79,34 @@ class FetchingVertumnusRouter(VertumnusRouter):
         cached = self._cached_blocks(request, candidates)
         best = max(cached, default=0)
         src = cached.index(best) if best else -1
+        memo: dict[tuple[int, int], float] = {}  # (C, blocks cached) -> T(C, L, blocks * B)
         st = []  # (S_w, blocks copied)
         for w, m, c in zip(candidates, matched_blocks, cached):
             deg = w.spec.cp_degree
-            t, copied = predict(deg, n, m * bs), 0
+            t = memo.get((deg, m))
+            if t is None:
+                t = memo[(deg, m)] = predict(deg, n, m * bs)
+            copied = 0
             if best > m:
-                fetch = self.transfer_seconds(best - c, bs) + predict(deg, n, best * bs)
+                tb = memo.get((deg, best))
+                if tb is None:
+                    tb = memo[(deg, best)] = predict(deg, n, best * bs)
+                fetch = self.transfer_seconds(best - c, bs) + tb
                 if fetch < t:
                     t, copied = fetch, best - c
             st.append((t, copied))
         cheapest = min(w.spec.cp_degree * t for w, (t, _) in zip(candidates, st))
-        return [(w.outstanding_seconds(now) + self.beta * t
-                 + self.lam * (w.spec.cp_degree * t - cheapest), copied,
-                 src if copied else -1, best if copied else 0)
-                for w, (t, copied) in zip(candidates, st)]
+        beta, lam = self.beta, self.lam
+        out = []
+        for w, (t, copied) in zip(candidates, st):
+            q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
+            if w.running is not None:
+                r = w.running_estimate - (now - w.running_start)
+                if r > 0:
+                    q += r
+            out.append((q + beta * t + lam * (w.spec.cp_degree * t - cheapest), copied,
+                        src if copied else -1, best if copied else 0))
+        return out
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],
               matched_blocks: Sequence[int], now: float) -> list[float]:
