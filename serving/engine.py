@@ -21,8 +21,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.policy.controller import ControllerConfig, ReconfigurationController
+from serving.engine_config import EngineConfig, Overloaded, ShuttingDown  # noqa: F401 (re-export)
+from serving.policy.cache_manager import PrefixCacheManager
+from serving.policy.composition import CompositionController
+from serving.policy.controller import ReconfigurationController
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
@@ -32,64 +34,6 @@ from serving.policy.scheduler import Scheduler
 from serving.policy.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
 
 _log = logging.getLogger(__name__)
-
-
-class Overloaded(RuntimeError):
-    """Too much queued work; `retry_after` is a suggested wait in whole seconds."""
-
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ShuttingDown(RuntimeError):
-    """The engine no longer accepts requests."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of the live pool (the serving binary's flags).
-
-    Attributes:
-      block_size: tokens per KV block, a power of two.
-      kv_blocks_per_device: KV blocks each device holds, >= 1.
-      max_model_len: longest prompt the model accepts (tokens), >= 1.
-      beta, lam: the placement cost's weights (`VertumnusRouter`), >= 0.
-      controller: run the split/merge controller; `controller_config` its thresholds.
-      cache_manager: run the prefix-cache manager; `cache_config` its scan interval and
-        thresholds.
-      tick_seconds: period of the scheduler's tick (seconds), > 0.
-      max_in_flight: requests queued or running beyond which new ones get 429, >= 1.
-    """
-
-    block_size: int = 16
-    kv_blocks_per_device: int = 256
-    max_model_len: int = 4096
-    beta: float = 1.0
-    lam: float = 1.0
-    controller: bool = True
-    controller_config: ControllerConfig = ControllerConfig()
-    cache_manager: bool = True
-    cache_config: CacheManagerConfig = CacheManagerConfig()
-    tick_seconds: float = 0.25
-    max_in_flight: int = 256
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        for name in ("kv_blocks_per_device", "max_model_len", "max_in_flight"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("beta", "lam"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not (math.isfinite(self.tick_seconds) and self.tick_seconds > 0):
-            raise ValueError(f"tick_seconds must be > 0 seconds, got {self.tick_seconds}")
-
-    def max_input_len(self, cp_degree: int) -> int:
-        """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks
-        (`C * kv_blocks_per_device * block_size` tokens)."""
-        return min(self.max_model_len, cp_degree * self.kv_blocks_per_device * self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +97,7 @@ class Engine:
         self.record_hooks: list[Callable[[Completion], None]] = [on_record] if on_record else []
         self.scheduler: Scheduler | None = None
         self.backend = None
-        self.controller: ReconfigurationController | None = None
+        self.controller: ReconfigurationController | CompositionController | None = None
         self._futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._t0 = time.monotonic()
@@ -179,7 +123,12 @@ class Engine:
         self.scheduler = Scheduler(self._specs, self.cost_model, self._router, self.backend,
                                    listener=self._finished, prefix_index=index)
         self.backend.scheduler = self.scheduler
-        if cfg.controller:
+        if cfg.controller and cfg.controller_policy == "whatif":
+            ccfg = dataclasses.replace(cfg.composition_config, lam=cfg.lam,
+                                       min_degree=min(self.degrees), max_degree=max(self.degrees))
+            self.controller = CompositionController(ccfg, cfg.max_input_len)
+            self.controller.attach(self.scheduler)
+        elif cfg.controller:
             self.controller = ReconfigurationController(cfg.controller_config, self.num_devices,
                                                         cfg.max_input_len)
             self.controller.attach(self.scheduler)

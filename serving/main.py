@@ -48,6 +48,10 @@ _BETA = flags.DEFINE_float("beta", 1.0, "Router weight of the cache-aware prefil
                            lower_bound=0.0)
 _LAM = flags.DEFINE_float("lam", 1.0, "Router weight of the GPU-time cost.", lower_bound=0.0)
 _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
+_CONTROLLER_POLICY = flags.DEFINE_enum(
+    "controller_policy", "paper", ["paper", "whatif"], "Which split/merge controller: the paper's "
+    "thresholds (--upper, --lower, ...) or the what-if controller of the simulator's default "
+    "vertumnus (serving/policy/composition.py).")
 _UPPER = flags.DEFINE_float("upper", 0.85, "Controller: split above this load.")
 _LOWER = flags.DEFINE_float("lower", 0.35, "Controller: merge below this load.")
 _HOLD = flags.DEFINE_float("hold_s", 10.0, "Controller: seconds a condition must hold.")
@@ -101,6 +105,7 @@ def server_config() -> ServerConfig:
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
             controller=_CONTROLLER.value, controller_config=ctl,
+            controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,
             cache_config=CacheManagerConfig(scan_interval_s=_SCAN.value),
             tick_seconds=_TICK.value, max_in_flight=_MAX_IN_FLIGHT.value)

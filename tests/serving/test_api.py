@@ -257,3 +257,18 @@ def test_shutdown_finishes_in_flight_then_refuses():
     done = asyncio.run(run())
     assert [c.record.first_token for c in done] == [(i + 1 + 5) % 256 for i in range(4)]
     assert engine.scheduler.num_completed == 4 and engine.scheduler.num_in_flight == 0
+
+
+def test_the_whatif_controller_serves_live():
+    from serving.engine import EngineConfig
+    from serving.policy.composition import CompositionController
+    with pytest.raises(ValueError, match="controller_policy"):
+        EngineConfig(controller_policy="thresholds")
+    client, engine = make_client(controller_policy="whatif")
+    with client:
+        assert isinstance(engine.controller, CompositionController)
+        assert (engine.controller.config.min_degree, engine.controller.config.max_degree) == (1, 8)
+        for i in range(4):
+            r = client.post("/v1/completions", json={"prompt": f"what-if {i} " * 8, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        assert engine.controller._samples  # placements reach the controller

@@ -1,0 +1,79 @@
+"""`EngineConfig`, the live pool's knobs (the serving binary's flags), and the engine's errors.
+
+Re-exported by `serving.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from serving.policy.cache_manager import CacheManagerConfig
+from serving.policy.composition import CompositionConfig
+from serving.policy.controller import ControllerConfig
+
+
+class Overloaded(RuntimeError):
+    """Too much queued work; `retry_after` is a suggested wait in whole seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(RuntimeError):
+    """The engine no longer accepts requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the live pool (the serving binary's flags).
+
+    Attributes:
+      block_size: tokens per KV block, a power of two.
+      kv_blocks_per_device: KV blocks each device holds, >= 1.
+      max_model_len: longest prompt the model accepts (tokens), >= 1.
+      beta, lam: the placement cost's weights (`VertumnusRouter`), >= 0.
+      controller: run the split/merge controller; `controller_config` its thresholds.
+      controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
+        "whatif" (`serving.policy.composition.CompositionController`, the simulator's default
+        `vertumnus`; `composition_config` its knobs, its degree range the engine's degrees).
+      cache_manager: run the prefix-cache manager; `cache_config` its scan interval and
+        thresholds.
+      tick_seconds: period of the scheduler's tick (seconds), > 0.
+      max_in_flight: requests queued or running beyond which new ones get 429, >= 1.
+    """
+
+    block_size: int = 16
+    kv_blocks_per_device: int = 256
+    max_model_len: int = 4096
+    beta: float = 1.0
+    lam: float = 1.0
+    controller: bool = True
+    controller_config: ControllerConfig = ControllerConfig()
+    controller_policy: str = "paper"
+    composition_config: CompositionConfig = CompositionConfig()
+    cache_manager: bool = True
+    cache_config: CacheManagerConfig = CacheManagerConfig()
+    tick_seconds: float = 0.25
+    max_in_flight: int = 256
+
+    def __post_init__(self) -> None:
+        if self.controller_policy not in ("paper", "whatif"):
+            raise ValueError(f"controller_policy must be 'paper' or 'whatif', got "
+                             f"{self.controller_policy!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        for name in ("kv_blocks_per_device", "max_model_len", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("beta", "lam"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.tick_seconds) and self.tick_seconds > 0):
+            raise ValueError(f"tick_seconds must be > 0 seconds, got {self.tick_seconds}")
+
+    def max_input_len(self, cp_degree: int) -> int:
+        """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks
+        (`C * kv_blocks_per_device * block_size` tokens)."""
+        return min(self.max_model_len, cp_degree * self.kv_blocks_per_device * self.block_size)
