@@ -28,7 +28,6 @@ class OpenLoad:
     """A request trace offered open-loop. `requests` sorted by arrival."""
 
     requests: Sequence[Request]
-    rate_unit = "req/s"
 
     def with_requests(self, requests: Sequence[Request]) -> OpenLoad:
         return OpenLoad(list(requests))
@@ -66,7 +65,6 @@ class SessionLoad:
     window_s: float
     max_think_s: float
     seed: int = 0
-    rate_unit = "sessions/s"
 
     @property
     def requests(self) -> tuple[Request, ...]:

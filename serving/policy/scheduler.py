@@ -83,8 +83,8 @@ class Scheduler:
         self._prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         # Blocks promised by queued and running prefills, for routers that ask for them.
         self.pending = PendingPrefixes()
-        self._record_index: PrefixIndex | None = None  # the index `_record` belongs to
-        self._record: Callable[..., None] | None = None  # its `record` (demand statistics)
+        # the index's `record` (demand statistics of a `GlobalPrefixTrie`), looked up once
+        self._record: Callable[..., None] | None = getattr(self._prefix_index, "record", None)
         self.reconfig = Reconfigurations(next_worker_id=max(ids) + 1)
         self._workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
@@ -316,9 +316,6 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
-        index = self.prefix_index
-        if index is not self._record_index:  # looked up once per index (hot path)
-            self._record_index, self._record = index, getattr(index, "record", None)
         record = self._record
         candidates, matched, global_blocks = self._eligible(request, record is not None)
         if not candidates:
