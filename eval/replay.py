@@ -66,7 +66,8 @@ _MAX_THINK = flags.DEFINE_float("max_think_time_s", 60.0, "Agent sessions: think
 _BLOCK = flags.DEFINE_integer("block_size", 512, "Tokens per KV block (prefix-cache granularity).",
                               lower_bound=1)
 _SKIP = flags.DEFINE_bool("skip_malformed", False,
-                          "Skip malformed trace lines (counted and reported) instead of failing.")
+                          "Skip malformed trace lines (counted and reported) instead of failing; "
+                          "lines nested or longer past eval.traces.parsing's limits included.")
 _LEVAL_RATE = flags.DEFINE_float("leval_rate", 2.0, "Poisson arrival rate (req/s) for the L-Eval "
                                  "CSV, which has no timestamps.", lower_bound=1e-6)
 _DURATION = flags.DEFINE_float("workload_duration", 600.0,
@@ -120,6 +121,16 @@ def _floats(values, name, native=None):
             raise ValueError(f"--{name} must be a comma-separated list of numbers"
                              f"{' or native' if native is not None else ''}, got {values}") from None
     return tuple(out)
+
+
+def _no_native_rate(stats: dict, trace: str) -> str:
+    """Why `--rates=native` does not apply to a trace whose `workload_stats` rate is nan."""
+    n = stats["count"]
+    window = f" (in its --window of {_WINDOW.value:g} s)" if _WINDOW.value > 0 else ""
+    has = f"has {n} arrival" if n < 2 else f"has {n} arrivals, all at the same time"
+    return (f"--rates=native: the trace {trace}{window} {has}; it needs at least two arrivals "
+            f"at different times to have a native rate (give --rates in req/s, or "
+            f"--load_factors)")
 
 
 def load_workload():
@@ -187,8 +198,12 @@ def main(argv):
                   f"{stats['input_mean']:.0f} tokens, prefix reuse with an unbounded shared cache "
                   f"{stats['reuse']:.1%}")
         else:
+            if "native" in _RATES.value and not math.isfinite(stats["rate"]):
+                raise ValueError(_no_native_rate(stats, _TRACE.value or name))
             rates = _floats(_RATES.value, "rates", native=stats["rate"])
-            print(f"workload {name}: {stats['count']} requests, {stats['rate']:.2f} req/s native, "
+            native = (f"{stats['rate']:.2f} req/s native" if math.isfinite(stats["rate"])
+                      else "no native rate")
+            print(f"workload {name}: {stats['count']} requests, {native}, "
                   f"mean input {stats['input_mean']:.0f} tokens, prefix reuse with an unbounded "
                   f"shared cache {stats['reuse']:.1%}")
         cfg = ReplayConfig(**settings, rates=rates)

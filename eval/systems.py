@@ -47,7 +47,7 @@ from serving.policy.controller import (ControllerConfig, ReconfigurationControll
                                        initial_composition)
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
-from serving.policy.plugins import import_spec
+from serving.policy.plugins import call_plugin, construct_router, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.router import LeastWorkRouter, Router
@@ -338,11 +338,7 @@ def _from_spec(spec: str, pool: PoolConfig) -> System:
     obj = import_spec(spec, "system")
     attr = spec.partition(":")[2]
     if inspect.isclass(obj) and callable(getattr(obj, "choose", None)):
-        try:
-            router = obj()
-        except TypeError as e:
-            raise ValueError(f"system {spec!r}: router class {attr!r} must be constructible "
-                             f"with no arguments ({e})") from e
+        router = construct_router(spec, "system", obj)
         return System(spec, pool.workers(mixed_degrees(pool.num_gpus, pool.degrees)), router)
     if callable(getattr(obj, "choose", None)):
         raise ValueError(f"system {spec!r}: {attr!r} is a router instance; name its class (a "
@@ -350,7 +346,7 @@ def _from_spec(spec: str, pool: PoolConfig) -> System:
     if not callable(obj):
         raise ValueError(f"system {spec!r}: {attr!r} is neither a router class nor a "
                          f"factory(pool) -> System")
-    system = obj(pool)
+    system = call_plugin(spec, "system", f"factory {attr!r}", obj, pool)
     if not isinstance(system, System):
         raise ValueError(f"system {spec!r}: factory {attr!r} returned "
                          f"{type(system).__name__}, not eval.systems.System")
@@ -369,8 +365,9 @@ def build_system(name: str, pool: PoolConfig) -> System:
 
     Raises:
       ValueError: an unknown name (the message lists the known ones), a plug-in that cannot be
-        imported or is neither form (the message names the spec), or a composition that does
-        not fit the pool.
+        imported, is neither form or raises anything but a ValueError while imported, built or
+        called (the message names the spec and the exception's type, message and line:
+        `serving.policy.plugins.call_plugin`), or a composition that does not fit the pool.
     """
     if name in _REGISTRY:
         return _REGISTRY[name](pool)

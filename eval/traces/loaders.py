@@ -13,9 +13,14 @@ are not data: they are skipped, are not counted as malformed and do not take a r
 counts must be integers below 2^31.
 
 A malformed row raises `TraceFormatError` naming the file, the 1-based line number and the
-field; so does a line that is not valid UTF-8 (field "encoding"). With `skip_malformed=True` such
-rows are dropped instead and counted in `Trace.skipped` (their line numbers in
-`Trace.skipped_lines`); nothing is dropped silently.
+field; so does a line that is not valid UTF-8 (field "encoding"), a JSON line nesting arrays and
+objects more than `MAX_JSON_DEPTH` levels deep (field "json") and a line longer than
+`MAX_LINE_BYTES` (no field: "FILE, line N: line longer than X bytes"). With
+`skip_malformed=True` such rows are dropped instead and counted in `Trace.skipped` (their line
+numbers in `Trace.skipped_lines`; an over-long line is read past, never held in memory); nothing
+is dropped silently. A trace must be a regular file: a FIFO, a device (/dev/zero), a socket or a
+folder is refused with a `TraceFormatError` naming it before anything is read (see
+`eval.traces.parsing` for the limits).
 
 Prefix structure is carried as block-hash chains (`serving.policy.request.chain_block_hashes`). Where a
 trace has no per-block ids, a prompt is modelled as a concatenation of content *segments*
@@ -30,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import pathlib
 import zlib
@@ -41,9 +45,10 @@ import grain
 import numpy as np
 
 from eval.traces.content import reblock_hash_ids, segment_block_ids, segment_id
-from eval.traces.parsing import (MAX_TOKENS, Trace, TraceFormatError, _blank, _check_block_size,  # noqa: F401
-                           _csv_int, _finish, _json_int, _parse_datetime, _ragged, _read_csv,
-                           _read_lines, _RowError, _run_rows, _show)
+from eval.traces.parsing import (MAX_LINE_BYTES, MAX_TOKENS, Trace,  # noqa: F401
+                                TraceFormatError, _blank, _check_block_size, _csv_int, _finish,
+                                _json_int, _json_row, _open_regular, _parse_datetime, _ragged,
+                                _read_csv, _read_lines, _RowError, _run_rows, _show)
 from eval.traces.sessions import SessionWorkload, load_sessions
 from serving.policy.request import Request, chain_block_hashes, num_blocks
 
@@ -77,7 +82,9 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZ
 
     Raises:
       TraceFormatError: a malformed line (file, line, field; a timestamp past the float range,
-        a length >= 2^31, a line that is not UTF-8 included), or no valid line at all.
+        a length >= 2^31, a line that is not UTF-8, nested more than MAX_JSON_DEPTH levels or
+        longer than MAX_LINE_BYTES included), no valid line at all, or a path that is not a
+        regular file.
       ValueError: block_size or source_block_size < 1.
       OSError: the file cannot be read.
     """
@@ -93,12 +100,7 @@ def load_mooncake(path: str | pathlib.Path, block_size: int = MOONCAKE_BLOCK_SIZ
         text = item[1]
         if isinstance(text, _RowError):
             raise text
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise _RowError("json", f"not valid JSON ({e.msg})") from None
-        except ValueError as e:  # an integer literal past the int-string conversion limit
-            raise _RowError("json", f"not valid JSON ({_show(str(e), 80)})") from None
+        obj = _json_row(text)  # not JSON, or nested deeper than MAX_JSON_DEPTH: a row error
         if not isinstance(obj, dict):
             raise _RowError("json", f"expected a JSON object, got {type(obj).__name__}")
         if "timestamp" not in obj:
@@ -151,8 +153,8 @@ def load_azure(path: str | pathlib.Path, skip_malformed: bool = False, block_siz
 
     Raises:
       TraceFormatError: missing or duplicated column; ContextTokens not in [1, 2^31),
-        GeneratedTokens not in [0, 2^31), bad TIMESTAMP, ragged row, a line not UTF-8; or no
-        valid row.
+        GeneratedTokens not in [0, 2^31), bad TIMESTAMP, ragged row, a line not UTF-8 or longer
+        than MAX_LINE_BYTES; no valid row; or a path that is not a regular file.
       ValueError: block_size < 1.
     """
     _check_block_size(block_size)
@@ -208,7 +210,8 @@ def load_leval(path: str | pathlib.Path, rate: float, seed: int, block_size: int
 
     Raises:
       TraceFormatError: a missing or duplicated column, a bad or inconsistent value (token counts
-        must be in [0, 2^31)), a line not UTF-8 (file, line, field).
+        must be in [0, 2^31)), a line not UTF-8 or longer than MAX_LINE_BYTES (file, line,
+        field); or a path that is not a regular file.
       ValueError: rate not a finite number > 0, or block_size < 1.
     """
     _check_block_size(block_size)
@@ -286,7 +289,10 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
       A `Trace`, or a `SessionWorkload` for agent sessions (replayed closed-loop).
 
     Raises:
-      ValueError: unknown format, or an L-Eval load without `rate`; and what the loader raises.
+      ValueError: unknown format, or an L-Eval load without `rate`; and what the loader raises
+        (`TraceFormatError`, a ValueError, for a malformed trace or a path that is not a regular
+        file, or for sessions a regular file or a folder of them).
+      OSError: the trace cannot be read.
     """
     formats = ("mooncake", "azure", "leval", "sessions")
     spec = str(spec)
@@ -302,8 +308,9 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
         elif path.suffix.lower() == ".jsonl":
             fmt = "mooncake"
         elif path.suffix.lower() == ".csv":
-            with open(path, encoding="utf-8-sig", errors="replace") as f:
-                header = f.readline()  # only to pick the loader, which checks the encoding
+            with _open_regular(path) as f:  # only to pick the loader, which checks the encoding
+                head = f.readline(MAX_LINE_BYTES + 1).decode("utf-8-sig", errors="replace")
+            header = head.splitlines()[0] if head else ""
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
             raise ValueError(f"cannot tell the format of {spec!r} from its name or header: give it "

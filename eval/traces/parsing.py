@@ -2,6 +2,17 @@
 
 Shared by the loaders in `eval.traces.loaders`. Files are read as bytes and decoded per line (UTF-8, a
 leading byte-order mark accepted), so an undecodable line is a row error naming its line.
+
+Limits, so that no input can hang a load or exhaust its memory or stack:
+- a trace must be a regular file (`_open_regular`; a FIFO, a device such as /dev/zero, a socket
+  or a folder is refused before anything is read);
+- a line is read at most `MAX_LINE_BYTES` + 1 bytes at a time; a longer line is a row error
+  ("line longer than MAX_LINE_BYTES bytes") that, under `skip_malformed`, is skipped and counted
+  like any other malformed line: it is read past without being held in memory. A session file
+  (one JSON document) may be at most `MAX_LINE_BYTES` long;
+- JSON (a JSONL line, a session file) may nest arrays and objects at most `MAX_JSON_DEPTH`
+  levels deep; deeper is a row error (field "json"), checked before parsing, so Python's
+  recursion limit is never reached.
 """
 
 from __future__ import annotations
@@ -9,16 +20,27 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import json
 import math
+import os
 import pathlib
+import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import grain
+import numpy as np
 
 from serving.policy.request import Request
 
 MAX_TOKENS = 2**31 - 1     # largest token count a trace row may give
+# Longest line (bytes, line end excluded) of a trace file, and largest session file: the public
+# traces' longest line is 2.7 KB (Mooncake), their largest session file 2 MB.
+MAX_LINE_BYTES = 64 << 20
+# Deepest nesting of JSON arrays and objects in a trace line or session file: the public traces
+# nest at most 6 levels (a session's sub-agent's request's hash_ids).
+MAX_JSON_DEPTH = 100
 
 
 class TraceFormatError(ValueError):
@@ -78,23 +100,141 @@ def _show(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _open_regular(path: pathlib.Path, must: str = "a trace must be a regular file") -> BinaryIO:
+    """`path` opened for binary reading, refused (`TraceFormatError` naming it and `must`) unless
+    it is a regular file (a link to one is fine). Opened non-blocking, then checked, so a FIFO
+    cannot hang the open."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TraceFormatError(path, None, None, f"is {_kind(mode)}: {must}")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _physical_lines(f: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """The lines of `f` as `bytes.splitlines(keepends=True)` of the whole file would give them
+    (ends `\n`, `\r\n`, `\r`), reading at most `limit` + 1 bytes at a time; a line of more than
+    `limit` bytes (its end excluded) is yielded as None, its bytes read past and dropped."""
+    part, over = b"", False  # the current line's unterminated start; it is already too long
+    while chunk := f.readline(limit + 1):
+        pieces = chunk.splitlines(keepends=True)
+        for k, piece in enumerate(pieces):
+            if k == len(pieces) - 1 and piece.endswith(b"\r") and f.peek(1)[:1] == b"\n":
+                piece += f.read(1)  # a "\r\n" split across two reads
+            ended = piece.endswith((b"\n", b"\r"))
+            if not over and len(part) + len(piece.rstrip(b"\r\n")) > limit:
+                part, over = b"", True
+            if over:
+                if ended:
+                    over = False
+                    yield None
+            elif ended:
+                yield part + piece
+                part = b""
+            else:
+                part += piece
+    if over:
+        yield None
+    elif part:
+        yield part
+
+
 def _read_lines(path: pathlib.Path) -> list[str | _RowError]:
     """The file's physical lines, line ends kept, each decoded as UTF-8 on its own.
 
     A byte-order mark at the start of the file is dropped (`utf-8-sig`). Lines end at `\n`,
     `\r\n` or `\r` (`bytes.splitlines`: as Python's universal newlines). A line that is not valid
-    UTF-8 is returned as a `_RowError` (field "encoding") instead of its text.
+    UTF-8 is returned as a `_RowError` (field "encoding") instead of its text; so is a line
+    longer than `MAX_LINE_BYTES` (field None), which is never held in memory whole.
+
+    Raises:
+      TraceFormatError: `path` is not a regular file.
+      OSError: it cannot be read.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    limit = MAX_LINE_BYTES
     out: list[str | _RowError] = []
-    for n, raw in enumerate(data.splitlines(keepends=True)):
-        try:
-            out.append(raw.decode("utf-8-sig" if n == 0 else "utf-8"))
-        except UnicodeDecodeError as e:
-            out.append(_RowError("encoding", f"not valid UTF-8 ({e.reason} at byte {e.start} "
-                                             f"of the line)"))
+    with _open_regular(path) as f:
+        for n, raw in enumerate(_physical_lines(f, limit)):
+            if raw is None:
+                out.append(_RowError(None, f"line longer than {limit} bytes "
+                                           f"(eval.traces.parsing.MAX_LINE_BYTES)"))
+                continue
+            try:
+                out.append(raw.decode("utf-8-sig" if n == 0 else "utf-8"))
+            except UnicodeDecodeError as e:
+                out.append(_RowError("encoding", f"not valid UTF-8 ({e.reason} at byte {e.start} "
+                                                 f"of the line)"))
     return out
+
+
+def _read_document(path: pathlib.Path, must: str) -> str:
+    """A whole file of at most `MAX_LINE_BYTES` as UTF-8 text (a leading byte-order mark dropped).
+
+    Raises:
+      TraceFormatError: not a regular file (the message ends in `must`), or a longer file.
+      UnicodeDecodeError: not UTF-8. OSError: unreadable.
+    """
+    limit = MAX_LINE_BYTES
+    with _open_regular(path, must) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TraceFormatError(path, None, None, f"file longer than {limit} bytes "
+                                                 f"(eval.traces.parsing.MAX_LINE_BYTES)")
+    return data.decode("utf-8-sig")
+
+
+# A JSON string, or an unterminated one to the end (so the scan stays linear on any input).
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+
+
+def _json_too_deep(text: str) -> int | None:
+    """The 1-based line of `text` where its JSON arrays and objects first nest deeper than
+    `MAX_JSON_DEPTH` (brackets inside strings not counted), or None."""
+    limit = MAX_JSON_DEPTH
+    if text.count("[") + text.count("{") <= limit:  # the common case, at C speed
+        return None
+    bare = _JSON_STRING.sub('""', text).encode("utf-8", "surrogatepass")  # newlines kept
+    a = np.frombuffer(bare, np.uint8)
+    opens = (a == ord("[")) | (a == ord("{"))
+    at = np.flatnonzero(opens | (a == ord("]")) | (a == ord("}")))  # the brackets' offsets
+    deep = np.flatnonzero(np.cumsum(np.where(opens[at], 1, -1)) > limit)
+    return bare.count(b"\n", 0, int(at[deep[0]])) + 1 if len(deep) else None
+
+
+def _too_deep() -> str:
+    return (f"arrays and objects nested more than {MAX_JSON_DEPTH} levels deep "
+            f"(eval.traces.parsing.MAX_JSON_DEPTH)")
+
+
+def _json_row(text: str) -> Any:
+    """`json.loads(text)` for one trace row; a row that is not JSON, or nests deeper than
+    `MAX_JSON_DEPTH`, raises `_RowError` (field "json")."""
+    if _json_too_deep(text) is not None:
+        raise _RowError("json", _too_deep())
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _RowError("json", f"not valid JSON ({e.msg})") from None
+    except ValueError as e:  # an integer literal past the int-string conversion limit
+        raise _RowError("json", f"not valid JSON ({_show(str(e), 80)})") from None
+    except RecursionError:  # not reached below MAX_JSON_DEPTH; kept as a guard
+        raise _RowError("json", "nested too deeply for the JSON parser") from None
 
 
 def _blank(text: str) -> bool:
@@ -117,6 +257,8 @@ def _run_rows(path: pathlib.Path, rows: Sequence[Any], line_of: Callable[[int, A
             return parse(i, row)
         except _RowError as e:
             return _Bad(line_of(i, row), e.field, e.message)
+        except RecursionError:  # a guard: the readers bound nesting (MAX_JSON_DEPTH)
+            return _Bad(line_of(i, row), None, "nested too deeply to parse (RecursionError)")
 
     ds = grain.MapDataset.source(rows).map_with_index(guarded)
     good, skipped = [], []
@@ -170,8 +312,9 @@ def _read_csv(path: pathlib.Path,
 
     The line number is the record's first physical line (1-based). Blank and whitespace-only
     records (before the header too) are skipped; a ragged record or one with a line that is not
-    UTF-8 (then the number of that line) becomes an error row. Raises `TraceFormatError` for an
-    empty file, a header that is not UTF-8, lacks a `required` column or repeats a column name.
+    UTF-8 or is longer than `MAX_LINE_BYTES` (then the number of that line) becomes an error row.
+    Raises `TraceFormatError` for a path that is not a regular file, an empty file, a header that
+    is not UTF-8 or too long, lacks a `required` column or repeats a column name.
     """
     lines = _read_lines(path)
     bad: list[tuple[int, _RowError]] = []  # undecodable lines the reader has consumed
@@ -200,7 +343,7 @@ def _read_csv(path: pathlib.Path,
         if len(bad) > seen_bad:
             seen_bad = len(bad)
             if header is None:
-                raise TraceFormatError(path, bad[-1][0], "encoding", bad[-1][1].message)
+                raise TraceFormatError(path, bad[-1][0], bad[-1][1].field, bad[-1][1].message)
             rows.append((bad[-1][0], bad[-1][1]))
         elif not fields or (len(fields) == 1 and _blank(fields[0])):
             continue  # a blank line is not data

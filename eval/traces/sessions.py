@@ -35,17 +35,21 @@ import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
+import stat
 from collections.abc import Sequence
 
 import numpy as np
 
 from eval.traces.content import segment_block_ids, segment_id
-from eval.traces.parsing import MAX_TOKENS, TraceFormatError, _check_block_size, _show
+from eval.traces.parsing import (MAX_TOKENS, TraceFormatError, _check_block_size, _json_too_deep,
+                                _kind, _read_document, _show, _too_deep)
 from serving.policy.request import Request, chain_block_hashes
 
 _TAG_SESSION, _TAG_TAIL, _TAG_PREFIX = 0x53455353, 0x5441494C, 0x50524546
 _SHARED = 1 << 63  # marks a block id shared across sessions (trace ids are below it)
+_MUST = "agent sessions must be a regular file or a folder of regular files"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,9 +283,15 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
         sessions, in [0, 1] (module doc; 0 = sessions share nothing).
       skip_malformed: drop and count malformed session files instead of raising.
 
+    Every `*.json` entry of the folder must be a regular file of at most
+    `eval.traces.parsing.MAX_LINE_BYTES` bytes nesting JSON at most `MAX_JSON_DEPTH` levels
+    deep; one that is not is a malformed session file (skipped and counted under
+    `skip_malformed`).
+
     Raises:
-      TraceFormatError: a malformed session file (naming the file and the field), or a folder
-        without session files.
+      TraceFormatError: a malformed session file (naming the file and the field; the line too
+        for JSON nested too deeply), a folder without session files, or a path that is neither
+        a regular file nor a folder (a FIFO, a device).
       ValueError: block_size < 1, or warm_prefix_pct outside [0, 1].
     """
     _check_block_size(block_size)
@@ -290,8 +300,11 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
     path = pathlib.Path(path)
     if not path.exists():
         raise TraceFormatError(path, None, None, "no such file or folder")
-    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json" and f.is_file())
-             if path.is_dir() else [path])
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise TraceFormatError(path, None, None, f"is {_kind(mode)}: {_MUST}")
+    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json")
+             if stat.S_ISDIR(mode) else [path])
     if not files:
         raise TraceFormatError(path, None, None, "no session files (*.json) in this folder")
     owner: dict[str, pathlib.Path] = {}  # request id -> its file
@@ -300,9 +313,11 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
     for f in files:
         n_req, n_ses = len(load.requests), len(load.sessions)
         try:
-            with open(f, "rb") as fh:
-                obj = json.loads(fh.read().decode("utf-8-sig"))
-            root = load.session(obj, "session")
+            text = _read_document(f, _MUST)  # a regular file of at most MAX_LINE_BYTES
+            line = _json_too_deep(text)
+            if line is not None:
+                raise TraceFormatError(f, line, "json", _too_deep())
+            root = load.session(json.loads(text), "session")
             ids = [r.request_id for r in load.requests[n_req:]]
             clash = next((i for i in ids if i in owner), None)
             if clash is not None or len(set(ids)) != len(ids):
@@ -314,6 +329,8 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
         except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
             del load.requests[n_req:], load.sessions[n_ses:], load.shared[n_req:]
             if not skip_malformed:
+                if isinstance(e, TraceFormatError):
+                    raise
                 raise TraceFormatError(f, None, None, str(e)) from None
             skipped += 1
     if not roots:

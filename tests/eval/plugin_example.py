@@ -48,3 +48,21 @@ def bad_factory(pool: PoolConfig) -> str:
 
 NOT_A_SYSTEM = 3
 ROUTER_INSTANCE = ExampleRouter()
+
+
+class CrashingRouter(ExampleRouter):
+    """Not a valid plug-in: its constructor has a bug (a programming error, not a ValueError)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = {}["missing"]
+
+
+def crashing_factory(pool: PoolConfig) -> System:
+    """Not a valid plug-in: the factory has a bug."""
+    return System("crash", [], ExampleRouter()) if pool.num_gpus < 0 else 1 / 0
+
+
+def no_arg_factory() -> System:
+    """Not a valid plug-in: a factory must take the pool."""
+    raise AssertionError("never called")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -157,3 +158,49 @@ def test_cli_replays_agent_sessions_closed_loop(tmp_path):
     bad = subprocess.run(cmd + ["--rates=native"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "native does not apply to agent sessions" in bad.stderr
+
+
+def _replay(tmp_path, *flags):
+    cmd = [sys.executable, "-m", "eval.replay", "--num_gpus=8", "--degrees=2",
+           "--systems=homogeneous", f"--output_dir={tmp_path / 'out'}", "--progress=false", *flags]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def _line(ms: int) -> str:
+    return json.dumps({"timestamp": ms, "input_length": 600, "output_length": 5,
+                       "hash_ids": [1, 2]})
+
+
+def test_cli_native_rate_needs_two_arrivals(tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text(_line(0) + "\n")
+    proc = _replay(tmp_path, f"--trace={one}", "--rates=native")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nan" not in proc.stderr
+    assert proc.stderr == (f"error: --rates=native: the trace {one} has 1 arrival; it needs at "
+                           f"least two arrivals at different times to have a native rate (give "
+                           f"--rates in req/s, or --load_factors)\n")
+    same = tmp_path / "same.jsonl"
+    same.write_text(_line(5) + "\n" + _line(5) + "\n")
+    proc = _replay(tmp_path, f"--trace={same}", "--rates=native")
+    assert proc.returncode == 1
+    assert f"the trace {same} has 2 arrivals, all at the same time;" in proc.stderr
+
+
+def test_cli_reports_deep_fifo_and_device_traces_without_a_traceback(tmp_path):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("\n".join([_line(0), "[" * 1200 + "]" * 1200, _line(1000)]) + "\n")
+    proc = _replay(tmp_path, f"--trace={deep}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr == (f"error: {deep}, line 2, field 'json': arrays and objects nested more "
+                           f"than 100 levels deep (eval.traces.parsing.MAX_JSON_DEPTH)\n")
+    proc = _replay(tmp_path, f"--trace={deep}", "--skip_malformed", "--rates=1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"skipped 1 malformed lines of {deep}" in proc.stdout
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    proc = _replay(tmp_path, f"--trace={fifo}")  # used to block forever in open()
+    assert (proc.returncode, proc.stderr) == (
+        1, f"error: {fifo}: is a FIFO: a trace must be a regular file\n")
+    proc = _replay(tmp_path, "--trace=mooncake:/dev/zero")  # used to end in MemoryError
+    assert (proc.returncode, proc.stderr) == (
+        1, "error: /dev/zero: is a character device: a trace must be a regular file\n")

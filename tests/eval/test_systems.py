@@ -13,6 +13,7 @@ from eval.systems import PoolConfig, System, build_system, mixed_degrees
 from eval.traces.workloads import tool_agent_workload
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
+from serving.policy.plugins import router_from_spec
 from serving.policy.profiles import analytic_prefill_seconds
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.specs import GPUS, MODELS
@@ -70,6 +71,44 @@ def test_plugin_router_class_and_factory():
 def test_bad_plugin_specs_name_the_spec(spec, message):
     with pytest.raises(ValueError, match=message):
         build_system(spec, POOL)
+
+
+@pytest.mark.parametrize("spec, cause, message", [
+    (f"{PLUGIN}:CrashingRouter", KeyError,
+     r"system 'tests.eval.plugin_example:CrashingRouter': router class 'CrashingRouter' raised "
+     r"KeyError: 'missing' \(at .*plugin_example\.py:\d+ in __init__\)$"),
+    (f"{PLUGIN}:crashing_factory", ZeroDivisionError,
+     r"system 'tests.eval.plugin_example:crashing_factory': factory 'crashing_factory' raised "
+     r"ZeroDivisionError: division by zero \(at .*plugin_example\.py:\d+ in crashing_factory\)$"),
+    (f"{PLUGIN}:no_arg_factory", type(None),
+     r"factory 'no_arg_factory' must be callable with 1 positional argument\(s\) \(too many "
+     r"positional arguments\)$"),
+])
+def test_plugins_raising_anything_are_reported_naming_spec_and_exception(spec, cause, message):
+    with pytest.raises(ValueError, match=message) as e:
+        build_system(spec, POOL)
+    assert type(e.value.__cause__) is cause  # the programming error stays chained
+
+
+def test_plugin_module_failing_at_import_and_router_specs(tmp_path, monkeypatch):
+    (tmp_path / "h4_boom_plugin.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^system 'h4_boom_plugin:R': importing module "
+                                         r"'h4_boom_plugin' raised RuntimeError: no GPU here "
+                                         r"\(at .*h4_boom_plugin\.py:1 in <module>\)$"):
+        build_system("h4_boom_plugin:R", POOL)
+    with pytest.raises(ValueError, match=r"^router 'tests.eval.plugin_example:CrashingRouter': "
+                                         r"router class 'CrashingRouter' raised KeyError"):
+        router_from_spec(f"{PLUGIN}:CrashingRouter")
+
+
+def test_cli_reports_a_crashing_plugin_without_a_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=10", "--num_gpus=8",
+           f"--systems={PLUGIN}:crashing_factory", f"--output_dir={tmp_path}", "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: system '{PLUGIN}:crashing_factory': factory "
+                                  f"'crashing_factory' raised ZeroDivisionError: division by zero")
 
 
 def test_system_rejects_unknown_parallelism():
