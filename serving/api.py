@@ -4,8 +4,17 @@ Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metric
 `GET /v1/workers`, and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
 `POST /reset_prefix_cache` (as vLLM's). Errors use OpenAI's
 body `{"error": {"message", "type", "param", "code"}}`; every validation error is a 400 naming
-the field (`param`). With an API key, every endpoint wants `Authorization: Bearer <key>`; the
-admin endpoints want the admin key (and are refused with 403 when the server has none).
+the field (`param`; `body` when the body itself cannot be parsed). With an API key, every
+endpoint wants `Authorization: Bearer <key>`; the admin endpoints want the admin key (and are
+refused with 403 when the server has none). Keys, the body size limit (413, whatever the
+framing) and the body deadline (408) are `serving.http_gate.RequestGate`'s.
+
+Status codes: 200; 400 a bad request (named field); 401 / 403 keys; 404 unknown model or path;
+408 body too slow; 409 a split or merge refused (waiting requests need the workers it would
+remove) or a prefix-cache reset while busy; 413 body too large; 429 overloaded (`Retry-After`);
+503 shutting down, or no worker of the current composition can hold a valid prompt
+(`Retry-After`); 500 a failed prefill. A client that disconnects while its prompt waits has it
+withdrawn (`vertumnus:request_aborted_total`); one already running finishes unseen.
 
 A completion's response carries the first token (greedy), `usage` with
 `prompt_tokens_details.cached_tokens`, where it ran (`worker_id`, `cp_degree`, `epoch`), its
@@ -16,18 +25,20 @@ the prompt (as vLLM's disaggregated prefill returns them for the decode side).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
-from serving.engine import Completion, Engine, Overloaded, ShuttingDown
+from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, Engine,
+                            Overloaded, ShuttingDown)
+from serving.http_gate import RequestGate, error_response
+from serving.policy.reconfiguration import StrandedRequests
 from serving.prom import ServingMetrics
 
 _log = logging.getLogger(__name__)
@@ -43,9 +54,11 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def _error(status: int, message: str, param=None, kind="invalid_request_error", headers=None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+_error = error_response
+# Unknown request fields named in the warning log line, each cut to `_FIELD_CHARS` characters.
+_LOGGED_FIELDS, _FIELD_CHARS = 8, 64
+# `GET /v1/workers` lists this many of the latest finished splits and merges by default.
+WORKERS_RECONFIGURATIONS = 32
 
 
 def _field(loc) -> str:
@@ -58,7 +71,7 @@ def _field(loc) -> str:
 def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                api_key: str | None = None, admin_api_key: str | None = None,
                shutdown_timeout: float | None = None,
-               max_body_bytes: int = 16 << 20) -> FastAPI:
+               max_body_bytes: int = 16 << 20, body_timeout: float = 30.0) -> FastAPI:
     """The FastAPI application over a built (not yet started) `Engine`.
 
     Args:
@@ -70,7 +83,11 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
       admin_api_key: the key of `/v1/workers/split` and `/merge` (disabled when None).
       shutdown_timeout: seconds to wait for in-flight requests at shutdown (None: no limit);
         those still unfinished then get 503.
-      max_body_bytes: larger request bodies get 413 before they are read.
+      max_body_bytes: larger request bodies get 413 as soon as the limit is passed.
+      body_timeout: seconds a request's body may take to arrive after its headers (408 after).
+
+    Raises:
+      ValueError: `max_body_bytes < 1` or `body_timeout` not a finite number > 0.
     """
     metrics = ServingMetrics(engine)
 
@@ -81,6 +98,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         await engine.shutdown(shutdown_timeout)
 
     app = FastAPI(title="Vertumnus-JAX prefill pool", lifespan=lifespan)
+    app.add_middleware(RequestGate, api_key=api_key, admin_api_key=admin_api_key,
+                       max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                       on_refused=lambda reason: metrics.rejected.labels(reason).inc())
     app.state.engine, app.state.metrics = engine, metrics
     engine.record_hooks.append(metrics.observe)
 
@@ -106,27 +126,13 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None:  # FastAPI could not parse the body
+            what = str(cause)[:200]
+            return _error(400, f"request body could not be parsed: {type(cause).__name__}: "
+                               f"{what}", "body")
         return _error(exc.status_code, str(exc.detail), None,
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            return _error(413, f"request body of {size} bytes is larger than {max_body_bytes} "
-                               "bytes", "body")
-        # Checked before the body is read, so a request without the right key learns nothing.
-        if request.url.path in _ADMIN_PATHS:
-            if admin_api_key is None:
-                return _error(403, "admin operations are disabled: start the server with "
-                                   "--admin_api_key", None, "permission_error")
-            if not _bearer_ok(request, admin_api_key):
-                return _error(401, "missing or wrong admin API key (Authorization: Bearer "
-                                   "<admin key>)", None, "authentication_error")
-        elif api_key is not None and not _bearer_ok(request, api_key):
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
-                          "authentication_error")
-        return await call_next(request)
 
     def _tokens(prompt, index: int, batch: bool) -> list[int]:
         param = f"prompt[{index}]" if batch else "prompt"
@@ -140,14 +146,15 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             if not 0 <= t < vocab_size:
                 raise ApiError(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})",
                                param)
-        limit = engine.config.max_model_len
+        limit = engine.max_prompt_len
         if len(ids) > limit:
             raise ApiError(400, f"{param} has {len(ids)} tokens, more than the maximum of "
-                                f"{limit} (max_model_len)", param)
+                                f"{limit} (max_model_len, and the KV blocks of the largest "
+                                "worker the pool can form)", param)
         return ids
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
                                 f"{model_name!r}", "model", "not_found_error")
@@ -155,8 +162,12 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(400, f"max_tokens={body.max_tokens}: this is a prefill pool, it "
                                 "produces the first token only (max_tokens=1); decode runs in a "
                                 "separate pool", "max_tokens")
-        if body.ignored_fields():
-            _log.warning("ignored request fields: %s", ", ".join(body.ignored_fields()))
+        ignored = body.ignored_fields()
+        if ignored:
+            more = f" and {len(ignored) - _LOGGED_FIELDS} more" if len(ignored) > _LOGGED_FIELDS \
+                else ""
+            _log.warning("ignored request fields: %s%s", ", ".join(
+                repr(f[:_FIELD_CHARS]) for f in ignored[:_LOGGED_FIELDS]), more)
         prompts = body.prompts()
         batch = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(
             body.prompt[0], (str, list))
@@ -166,17 +177,25 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                 f"the server ever admits at once (max_in_flight="
                                 f"{engine.config.max_in_flight})", "prompt")
         try:
-            results = await engine.prefill_many(token_lists)
+            results = await engine.prefill_many(token_lists,
+                                                disconnected=lambda: _disconnected(request.receive))
         except Overloaded as e:
+            metrics.rejected.labels("overloaded").inc()
             raise ApiError(429, str(e), None, "rate_limit_error",
                            {"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown as e:
+            metrics.rejected.labels("shutting_down").inc()
             raise ApiError(503, str(e), None, "service_unavailable") from None
+        except ClientDisconnected as e:  # nobody reads this answer; 499 as nginx logs it
+            return _error(499, str(e), None, "client_closed_request")
         for c in results:
             if not c.record.ok:
-                unplaced = c.record.worker_id is None
-                raise ApiError(400 if unplaced else 500, c.record.error, "prompt" if unplaced
-                               else None, "invalid_request_error" if unplaced else "server_error")
+                if c.record.worker_id is None:  # valid, but no worker of this composition fits
+                    metrics.rejected.labels("no_worker_fits").inc()
+                    raise ApiError(503, f"{c.record.error}; retry when the pool has merged "
+                                        "workers", "prompt", "service_unavailable",
+                                   {"Retry-After": "1"})
+                raise ApiError(500, c.record.error, None, "server_error")
         return _response(results, model_name, tokenizer)
 
     @app.get("/v1/models")
@@ -197,19 +216,26 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/workers")
-    async def workers():
+    async def workers(reconfigurations: int = WORKERS_RECONFIGURATIONS):
+        if not 0 <= reconfigurations <= RECONFIG_LOG_LIMIT:
+            raise ApiError(400, f"reconfigurations must be in [0, {RECONFIG_LOG_LIMIT}], got "
+                                f"{reconfigurations}", "reconfigurations")
         s = engine.scheduler
         return {"composition": s.composition, "epoch": s.epoch, "workers": engine.workers(),
                 "reconfigurations_in_progress": [
                     {"epoch": r.epoch, "kind": r.kind, "old": list(r.old_ids),
                      "new": [x.worker_id for x in r.new_specs]}
                     for r in s.reconfig.in_progress.values()],
-                "reconfigurations": engine.reconfigurations()}
+                "reconfigurations_total": s.reconfig.num_finished,
+                "reconfigurations": engine.reconfigurations(reconfigurations)}
 
     @app.post("/v1/workers/split")
     async def split(body: SplitRequest, request: Request):
         try:
             epoch = engine.split(body.worker_id)
+        except StrandedRequests as e:
+            raise ApiError(409, f"split of worker {body.worker_id} refused: {e}", "worker_id",
+                           "conflict_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "worker_id") from None
         return {"epoch": epoch, "status": "draining"}
@@ -226,6 +252,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     async def merge(body: MergeRequest, request: Request):
         try:
             epoch = engine.merge(body.worker_ids)
+        except StrandedRequests as e:
+            raise ApiError(409, f"merge of workers {body.worker_ids} refused: {e}",
+                           "worker_ids", "conflict_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "worker_ids") from None
         return {"epoch": epoch, "status": "draining"}
@@ -233,13 +262,11 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     return app
 
 
-_ADMIN_PATHS = ("/v1/workers/split", "/v1/workers/merge", "/reset_prefix_cache")
-
-
-def _bearer_ok(request: Request, key: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+async def _disconnected(receive) -> None:
+    """Returns when the ASGI connection reports `http.disconnect` (the body was read already,
+    so nothing else arrives; the server answers it only when the client has gone)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _response(results: list[Completion], model_name: str, tokenizer) -> dict:

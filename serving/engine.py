@@ -8,7 +8,9 @@ reconfiguration controller and the prefix-cache manager are tick hooks). Time is
 seconds since `start()`, read from `time.monotonic` here and passed into the core as `now`.
 
 Every accepted request ends in exactly one answer: the scheduler's `RequestRecord` resolves the
-request's future (completed with its first token, or failed with the error).
+request's future (completed with its first token, or failed with the error). A request whose
+client went away before it started is withdrawn (`Scheduler.abort`, as vLLM aborts on
+disconnect); one already running finishes and its result is dropped.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
-from serving.engine_config import EngineConfig, Overloaded, ShuttingDown  # noqa: F401 (re-export)
+from serving.engine_config import (  # noqa: F401 (re-exported)
+    ClientDisconnected, EngineConfig, Overloaded, ShuttingDown)
 from serving.policy.cache_manager import PrefixCacheManager
 from serving.policy.composition import CompositionController
 from serving.policy.controller import ReconfigurationController
@@ -34,6 +37,10 @@ from serving.policy.scheduler import Scheduler
 from serving.policy.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
 
 _log = logging.getLogger(__name__)
+
+# Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
+# runs for months; the counters count all).
+RECONFIG_LOG_LIMIT = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +114,15 @@ class Engine:
         self._admin_epochs: set[int] = set()
         self.degrees = tuple(sorted(set(degrees) if degrees else {w.cp_degree for w in workers}))
         self._deadline: asyncio.TimerHandle | None = None
-        self._logged = 0  # scheduler.reconfig.log entries already logged
+        self._forced = False
+        self._logged = 0  # finished reconfigurations already logged
+
+    @property
+    def max_prompt_len(self) -> int:
+        """Longest prompt the pool can ever take (tokens): `max_model_len`, and the KV blocks of
+        a worker of the largest degree (`EngineConfig.max_input_len`). A shorter prompt that no
+        worker of the current composition can hold waits for one or is refused with 503."""
+        return self.config.max_input_len(max(self.degrees))
 
     def now(self) -> float:
         """Seconds since the engine was built (monotonic)."""
@@ -121,7 +136,8 @@ class Engine:
         cfg = self.config
         index = GlobalPrefixTrie() if cfg.cache_manager else PrefixIndex()
         self.scheduler = Scheduler(self._specs, self.cost_model, self._router, self.backend,
-                                   listener=self._finished, prefix_index=index)
+                                   listener=self._finished, prefix_index=index,
+                                   log_limit=RECONFIG_LOG_LIMIT)
         self.backend.scheduler = self.scheduler
         if cfg.controller and cfg.controller_policy == "whatif":
             ccfg = dataclasses.replace(cfg.composition_config, lam=cfg.lam,
@@ -144,27 +160,37 @@ class Engine:
                 self.scheduler.tick(self.now())
             except Exception:  # a policy bug must not stop the periodic loops for good
                 _log.exception("scheduler tick failed")
-            for r in self.scheduler.reconfig.log[self._logged:]:
+            rc = self.scheduler.reconfig
+            fresh = min(rc.num_finished - self._logged, len(rc.log))
+            for r in list(rc.log)[len(rc.log) - fresh:]:
                 r = self._with_origin(r)
                 _log.info("epoch %d: %s %s -> %s (%s) drained in %.2f s, done at %.2f s; "
                           "composition %s", r["epoch"], r["kind"], r["old"], r["new"],
                           r["origin"], r["drained"] - r["started"], r["finished"],
                           r["composition"])
-                self._logged += 1
+            self._logged = rc.num_finished
 
-    def begin_shutdown(self, timeout: float | None = None) -> None:
+    def begin_shutdown(self, timeout: float | None = None, force: bool = False) -> None:
         """Stops accepting requests; after `timeout` seconds (None: never) answers every request
-        still unfinished with `ShuttingDown` (HTTP 503). Idempotent; call on the loop."""
+        still unfinished with `ShuttingDown` (HTTP 503). Idempotent; a later call may only bring
+        the deadline closer. `force` (a second Ctrl-C, with `timeout=0`): `shutdown` then does
+        not wait for running prefills. Call on the loop."""
         self._accepting = False
-        if timeout is not None and self._deadline is None and self._loop is not None:
-            self._deadline = self._loop.call_later(max(0.0, timeout), self._expire)
+        self._forced = self._forced or force
+        if timeout is None or self._loop is None:
+            return
+        when = self._loop.time() + max(0.0, timeout)
+        if self._deadline is None or when < self._deadline.when():
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self._loop.call_at(when, self._expire)
 
-    def request_shutdown(self, timeout: float | None = None) -> None:
+    def request_shutdown(self, timeout: float | None = None, force: bool = False) -> None:
         """`begin_shutdown` from any thread or a signal handler (runs it on the loop)."""
         if self._loop is None:
             self._accepting = False
         else:
-            self._loop.call_soon_threadsafe(self.begin_shutdown, timeout)
+            self._loop.call_soon_threadsafe(self.begin_shutdown, timeout, force)
 
     def _expire(self) -> None:
         for future in self._futures.values():
@@ -187,7 +213,7 @@ class Engine:
         if self._tick_task is not None:
             self._tick_task.cancel()
         if self.backend is not None:
-            await asyncio.to_thread(self.backend.shutdown, True)
+            await asyncio.to_thread(self.backend.shutdown, not self._forced)
         return done
 
     # ------------------------------------------------------------------------------ requests
@@ -202,10 +228,22 @@ class Engine:
         [completion] = await self.prefill_many([token_ids], ttft_slo)
         return completion
 
-    async def prefill_many(self, prompts: Sequence[Sequence[int]],
-                           ttft_slo: float | None = None) -> list[Completion]:
+    async def prefill_many(self, prompts: Sequence[Sequence[int]], ttft_slo: float | None = None,
+                           disconnected: Callable[[], Awaitable] | None = None
+                           ) -> list[Completion]:
         """Admits all of `prompts` or none (one capacity check, then every submit with no await
-        in between), then waits for all of them. Raises as `prefill`."""
+        in between), then waits for all of them.
+
+        Args:
+          prompts: token id lists.
+          ttft_slo: the requests' TTFT SLO (seconds), or None.
+          disconnected: called once the prompts are admitted; the awaitable it returns resolves
+            when the client went away (e.g. an ASGI `http.disconnect`); then the prompts not
+            started yet are withdrawn (counted as aborted) and those running finish unseen.
+
+        Raises:
+          As `prefill`, and `ClientDisconnected` when `disconnected` resolved first.
+        """
         self.check_capacity(len(prompts))
         s, now = self.scheduler, self.now()
         futures = []
@@ -222,9 +260,21 @@ class Engine:
                 for r, _ in futures:
                     self._futures.pop(r, None)
                 raise
+        gathered = asyncio.gather(*(f for _, f in futures))
+        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:
-            return list(await asyncio.shield(asyncio.gather(*(f for _, f in futures))))
+            if watch is None:
+                return list(await asyncio.shield(gathered))
+            await asyncio.wait((gathered, watch), return_when=asyncio.FIRST_COMPLETED)
+            if gathered.done():
+                return list(gathered.result())
+            aborted = sum(s.abort(rid, self.now(), "aborted: the client disconnected")
+                          for rid, f in futures if not f.done())
+            raise ClientDisconnected(f"the client disconnected; {aborted} of {len(futures)} "
+                                     "prompt(s) withdrawn before they started")
         finally:
+            if watch is not None:
+                watch.cancel()
             for rid, _ in futures:
                 self._futures.pop(rid, None)
 
@@ -253,7 +303,10 @@ class Engine:
     def split(self, worker_id: int) -> int:
         """Splits an ACTIVE worker of degree 2C into its halves; returns the new epoch.
 
-        Raises ValueError (nothing changed) for an unknown, draining or degree-1 worker.
+        Raises:
+          StrandedRequests: (nothing changed) waiting requests that only this worker, or one
+            as large, could hold (`Reconfigurations.refuse_stranding`).
+          ValueError: (nothing changed) an unknown, draining or degree-1 worker.
         """
         s = self.scheduler
         w = s.workers.get(worker_id)
@@ -293,10 +346,12 @@ class Engine:
             raise ValueError(f"a {kind} would create CP degree {c}, not one of the pool's "
                              f"degrees {list(self.degrees)} (--degrees, each with a profile)")
 
-    def reconfigurations(self) -> list[dict]:
-        """Finished splits and merges (the scheduler's log), each with `origin`: "admin" (the
-        API) or "controller"."""
-        return [self._with_origin(r) for r in self.scheduler.reconfig.log]
+    def reconfigurations(self, limit: int = RECONFIG_LOG_LIMIT) -> list[dict]:
+        """The latest `limit` finished splits and merges (at most `RECONFIG_LOG_LIMIT` are kept;
+        `scheduler.reconfig.num_finished` counts all), oldest first, each with `origin`: "admin"
+        (the API) or "controller"."""
+        log = list(self.scheduler.reconfig.log)
+        return [self._with_origin(r) for r in log[max(0, len(log) - limit):]]
 
     def _with_origin(self, record: dict) -> dict:
         return {**record, "origin": "admin" if record["epoch"] in self._admin_epochs

@@ -25,6 +25,10 @@ class ShuttingDown(RuntimeError):
     """The engine no longer accepts requests."""
 
 
+class ClientDisconnected(RuntimeError):
+    """The client went away while its request waited; nobody reads the answer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the live pool (the serving binary's flags).

@@ -6,13 +6,20 @@
         --num_devices=8 --host=0.0.0.0 --api_key=$KEY --admin_api_key=$ADMIN
 
 On a CPU host, `--num_devices` host devices are created (jax_num_cpu_devices) before any device
-is touched. SIGTERM or Ctrl-C: the server stops accepting connections, finishes the prefills in
-flight, and exits 0.
+is touched. SIGTERM or Ctrl-C: the server answers new requests with 503, finishes the prefills in
+flight (until `--shutdown_timeout_s`, then 503 for the rest), and exits 0; a second Ctrl-C
+answers every unfinished request with 503 at once (`serving.http_server.GracefulServer`).
+
+Keys: `--api_key` / `--admin_api_key` are visible in `ps`; prefer `--api_key_file` /
+`--admin_api_key_file` (the first line of the file) or the environment variables
+`VERTUMNUS_API_KEY` / `VERTUMNUS_ADMIN_API_KEY` (as vLLM's `VLLM_API_KEY`); a flag wins over a
+file, a file over the environment.
 """
 
 from __future__ import annotations
 
 import logging as pylogging
+import math
 import os
 import signal
 import sys
@@ -71,12 +78,25 @@ _MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 256, "Queued + running re
 _TICK = flags.DEFINE_float("tick_s", 0.25, "Scheduler tick period (seconds).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=0, upper_bound=65535)
-_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key required on every endpoint.")
+_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key required on every endpoint "
+                               "(visible in ps: prefer --api_key_file or VERTUMNUS_API_KEY).")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "File whose first line is the API key.")
 _ADMIN_KEY = flags.DEFINE_string("admin_api_key", None, "Bearer key of the admin endpoints "
-                                 "(split/merge); they are disabled without one.")
+                                 "(split/merge); they are disabled without one (visible in ps: "
+                                 "prefer --admin_api_key_file or VERTUMNUS_ADMIN_API_KEY).")
+_ADMIN_KEY_FILE = flags.DEFINE_string("admin_api_key_file", None, "File whose first line is "
+                                      "the admin API key.")
 _SHUTDOWN = flags.DEFINE_float("shutdown_timeout_s", None, "Seconds after SIGTERM to wait for "
                                "accepted requests; those unfinished then get 503 (default: "
                                "wait until they finish).", lower_bound=0.0)
+_BODY_TIMEOUT = flags.DEFINE_float("body_timeout_s", 30.0, "Seconds a request body may take to "
+                                   "arrive after its headers (408 after that); also how long a "
+                                   "connection may wait with a request's headers incomplete "
+                                   "before it is closed.")
+flags.register_validator("shutdown_timeout_s", lambda v: v is None or math.isfinite(v),
+                         "--shutdown_timeout_s must be a finite number of seconds >= 0")
+flags.register_validator("body_timeout_s", lambda v: math.isfinite(v) and v > 0,
+                         "--body_timeout_s must be a finite number of seconds > 0")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "~/.cache/vertumnus-jax/xla",
                                  "JAX persistent compilation cache directory: a restarted server "
                                  "loads its prefill executables instead of compiling them; "
@@ -90,6 +110,26 @@ def _ints(values, name: str) -> tuple[int, ...]:
         return tuple(int(v) for v in values)
     except ValueError:
         raise app.UsageError(f"--{name} must be comma-separated integers, got {values}") from None
+
+
+def api_key(flag: str | None, path: str | None, env_var: str) -> str | None:
+    """A key from its flag, else the first line of its file, else the environment variable.
+
+    Raises:
+      app.UsageError: the file cannot be read, or its first line is empty.
+    """
+    if flag:
+        return flag
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline(4096).strip()
+        except (OSError, UnicodeError) as e:
+            raise app.UsageError(f"cannot read the key file {path!r}: {e}") from None
+        if not key:
+            raise app.UsageError(f"the key file {path!r} has an empty first line")
+        return key
+    return os.environ.get(env_var) or None
 
 
 def server_config() -> ServerConfig:
@@ -114,8 +154,12 @@ def server_config() -> ServerConfig:
     return ServerConfig(model=_MODEL.value, checkpoint=_CHECKPOINT.value, seed=_SEED.value,
                         composition=comp, degrees=degrees, expected_rate=_EXPECTED_RATE.value,
                         expected_input_len=_EXPECTED_LEN.value, profile=_PROFILE.value,
-                        engine=engine, api_key=_API_KEY.value, admin_api_key=_ADMIN_KEY.value,
-                        shutdown_timeout=_SHUTDOWN.value, router=_ROUTER.value)
+                        engine=engine,
+                        api_key=api_key(_API_KEY.value, _API_KEY_FILE.value, "VERTUMNUS_API_KEY"),
+                        admin_api_key=api_key(_ADMIN_KEY.value, _ADMIN_KEY_FILE.value,
+                                              "VERTUMNUS_ADMIN_API_KEY"),
+                        shutdown_timeout=_SHUTDOWN.value, body_timeout=_BODY_TIMEOUT.value,
+                        router=_ROUTER.value)
 
 
 def main(argv):
@@ -137,6 +181,7 @@ def main(argv):
                              f"{jax.default_backend()} devices exist")
     import uvicorn
 
+    from serving.http_server import GracefulServer
     from serving.server import build_app
 
     try:
@@ -146,15 +191,10 @@ def main(argv):
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
                  _HOST.value, _PORT.value, _NUM_DEVICES.value)
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
-    engine = application.state.engine
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: the shutdown deadline starts now
-            super().handle_exit(sig, frame)
-            engine.request_shutdown(_SHUTDOWN.value)
-
-    server = Server(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
-                                   log_level=_LOG_LEVEL.value))
+    server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
+                                           log_level=_LOG_LEVEL.value),
+                            application.state.engine, _SHUTDOWN.value,
+                            header_timeout=_BODY_TIMEOUT.value)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT (waits for open requests, which the
     # engine answers by its deadline), then re-raises the signal to the handler it found; a
     # no-op handler makes that graceful shutdown end in exit status 0.

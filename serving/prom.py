@@ -12,6 +12,8 @@ one process, e.g. in tests).
 | `vertumnus:queue_time_seconds`, `vertumnus:prefill_time_seconds` | histogram | | seconds |
 | `vertumnus:request_success_total` | counter | | requests |
 | `vertumnus:request_failure_total` | counter | | requests |
+| `vertumnus:request_aborted_total` | counter | | requests withdrawn (client disconnected) |
+| `vertumnus:request_rejected_total` | counter | reason | requests refused before admission |
 | `vertumnus:prompt_tokens_total` | counter | | tokens |
 | `vertumnus:prefix_cache_queries_total`, `vertumnus:prefix_cache_hits_total` | counter | | tokens |
 | `vertumnus:num_requests_waiting` | gauge | worker_id, cp_degree | requests (queued) |
@@ -33,6 +35,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # vLLM's TTFT buckets (vllm/engine/metrics.py), seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+REJECT_REASONS = ("overloaded", "shutting_down", "no_worker_fits", "body_too_large",
+                  "body_timeout")
 
 
 class _PoolCollector:
@@ -71,11 +77,11 @@ class _PoolCollector:
         reps = CounterMetricFamily("vertumnus:replications", "Finished prefix copies.")
         recl = CounterMetricFamily("vertumnus:reclamations", "Confirmed prefix reclamations.")
         s = engine.scheduler
-        kinds = _Tally(r["kind"] for r in s.reconfig.log) if s is not None else _Tally()
+        kinds = s.reconfig.finished if s is not None else _Tally()
         for kind in ("split", "merge"):
             recs.add_metric([kind], kinds.get(kind, 0))
-        reps.add_metric([], len(s.copies.log) if s is not None else 0)
-        recl.add_metric([], len(s.copies.reclaim_log) if s is not None else 0)
+        reps.add_metric([], s.copies.num_copies if s is not None else 0)
+        recl.add_metric([], s.copies.num_reclaims if s is not None else 0)
         yield from (recs, reps, recl)
 
 
@@ -100,6 +106,14 @@ class ServingMetrics:
                                  buckets=TTFT_BUCKETS, registry=r)
         self.success = Counter("vertumnus:request_success", "Requests completed.", registry=r)
         self.failure = Counter("vertumnus:request_failure", "Requests that failed.", registry=r)
+        self.aborted = Counter("vertumnus:request_aborted", "Requests withdrawn before they "
+                               "started because their client disconnected.", registry=r)
+        self.rejected = Counter(
+            "vertumnus:request_rejected", "Requests refused: overloaded (429), shutting_down "
+            "(503), no_worker_fits (503), body_too_large (413), body_timeout (408).",
+            labelnames=["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
         self.prompt_tokens = Counter("vertumnus:prompt_tokens", "Prompt tokens prefilled.",
                                      registry=r)
         self.cache_queries = Counter("vertumnus:prefix_cache_queries",
@@ -111,6 +125,11 @@ class ServingMetrics:
     def observe(self, completion) -> None:
         """Counts one finished request (`serving.engine.Completion`)."""
         record = completion.record
+        if record.aborted:
+            self.aborted.inc()
+            return
+        if not record.ok and record.worker_id is None:
+            return  # no worker fits: the API counts it as rejected (no_worker_fits)
         if not record.ok:
             self.failure.inc()
             return

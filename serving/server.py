@@ -44,6 +44,7 @@ class ServerConfig:
       engine: `EngineConfig`.
       api_key, admin_api_key: bearer keys (None: open / admin disabled).
       shutdown_timeout: seconds to wait for in-flight prefills at shutdown (None: no limit).
+      body_timeout: seconds a request body may take to arrive after its headers (408 after).
       interpret: Pallas interpret mode (None: exactly on CPU).
       router: None for `VertumnusRouter(beta, lam)`, or "module:Class" naming a router class
         (`serving.policy.plugins.router_from_spec`), the same plug-ins `eval.replay` takes.
@@ -63,6 +64,7 @@ class ServerConfig:
     api_key: str | None = None
     admin_api_key: str | None = None
     shutdown_timeout: float | None = None
+    body_timeout: float = 30.0
     interpret: bool | None = None
     min_bucket: int = 16
     router: str | None = None
@@ -177,4 +179,5 @@ def build_app(config: ServerConfig, devices: Sequence):
     engine, tokenizer, name, vocab = build_engine(config, devices)
     return create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
                       api_key=config.api_key, admin_api_key=config.admin_api_key,
-                      shutdown_timeout=config.shutdown_timeout)
+                      shutdown_timeout=config.shutdown_timeout,
+                      body_timeout=config.body_timeout)

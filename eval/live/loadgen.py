@@ -185,18 +185,21 @@ def main(argv):
             rate = len(records) / max(deadline, 1e-9)
         measured_compiled = pool_state(url, headers).executables - start.executables
     result = summarize(records)
+    # the server lists its latest finished changes (`reconfigurations_total` counts all of them)
+    recs = state["reconfigurations"]
+    total = state.get("reconfigurations_total", len(recs))
+    split = max(0, warmup_changes - (total - len(recs)))
     if sessions is not None:
         result.update(replay="closed-loop", session_rate=_SESSION_RATE.value,
                       sessions_started=len(loop.starts), unsent_requests=state["unsent_requests"],
                       tpot_ms=_TPOT.value, max_think_time_s=_MAX_THINK.value)
     result.update(system=f"live:{info['id']}", trace=name, request_rate=rate,
                   composition=state["composition"],
-        warmup_reconfigurations=state["reconfigurations"][:warmup_changes],
+        warmup_reconfigurations=recs[:split],
         # executables the measured window had to create (each one stalled its worker on a
         # cold compilation cache); None when a split or merge changed the workers meanwhile
-        measured_executables_created=(measured_compiled if len(state["reconfigurations"]) ==
-                                      warmup_changes else None),
-        reconfigurations=state["reconfigurations"][warmup_changes:],
+        measured_executables_created=(measured_compiled if total == warmup_changes else None),
+        reconfigurations=recs[split:],
         max_send_lag_s=state["max_send_lag_s"],
         mean_server_ttft_ms=1e3 * sum(state["server_ttft_s"].values()) / max(
             1, len(state["server_ttft_s"])),

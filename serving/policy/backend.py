@@ -75,3 +75,11 @@ class Backend(Protocol):
         Calls `scheduler.copies.finish_reclaim(worker_id, chain, now, evicted)` once freed.
         """
         ...
+
+
+class CostModel(Protocol):
+    """Predicted prefill time in seconds of `input_len` tokens with `cached_len` of them cached,
+    on a worker of CP degree `cp_degree`; `serving.policy.cost_model.PrefillCostModel`
+    implements it."""
+
+    def predict(self, cp_degree: int, input_len: int, cached_len: int) -> float: ...

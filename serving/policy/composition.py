@@ -39,6 +39,7 @@ from serving.policy.checks import require_finite
 from serving.policy.controller import compositions
 from serving.policy.request import Request
 from serving.policy.whatif import Sample, Window, best_composition, replay_ttft
+from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import WorkerState, WorkerStatus, are_buddies, merge_buddies, split_halves
 
 
@@ -142,7 +143,10 @@ class CompositionController:
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0]}
         if op is not None:
-            rec = scheduler.begin_reconfiguration(*op, now)
+            try:
+                rec = scheduler.begin_reconfiguration(*op, now)
+            except StrandedRequests:
+                return  # waiting requests need the workers this would remove
             self._quiet_until = now + cfg.cooldown_s
             self._last = (rec.kind, now)
             entry.update(kind=rec.kind, old=list(rec.old_ids),

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 from serving.policy.checks import require_finite
 from serving.policy.request import Request
+from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import WorkerStatus, are_buddies, merge_buddies, split_halves
 
 
@@ -220,7 +221,10 @@ class ReconfigurationController:
             return
         if op is None:
             return
-        rec = scheduler.begin_reconfiguration(*op, now)
+        try:
+            rec = scheduler.begin_reconfiguration(*op, now)
+        except StrandedRequests:
+            return  # waiting requests need the workers this would remove
         self._quiet_until = now + cfg.cooldown_s
         self._high_since = self._low_since = self._calm_since = None
         self._ref_share, self._ref_load = share, load

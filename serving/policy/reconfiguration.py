@@ -11,6 +11,7 @@ merge. The scheduler does what touches its queues (drain, re-route, activate the
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
 from serving.policy.request import Request
@@ -38,24 +39,46 @@ class Reconfiguration:
     recarve_started: float | None = None
 
 
+class StrandedRequests(ValueError):
+    """A split or merge refused because requests waiting for a worker would fit none after it.
+
+    Attributes:
+      requests: the requests (queued on a worker or waiting for one) no worker could hold.
+      largest: the largest `max_input_len` of the pool after the change (tokens).
+    """
+
+    def __init__(self, message: str, requests: Sequence[Request], largest: int) -> None:
+        super().__init__(message)
+        self.requests, self.largest = list(requests), largest
+
+
 class Reconfigurations:
     """The pool's epochs, fresh worker ids, splits and merges in progress, and their log.
 
     Args:
       next_worker_id: the first id `new_worker_ids` hands out (above every initial worker's).
+      log_limit: finished changes `log` keeps (the latest ones; None: all, as the simulator
+        wants them); `finished` counts every one.
 
     Attributes:
       epoch: the latest epoch (0 for the initial workers; each change opens the next one).
       in_progress: the changes not finished yet, by epoch.
       log: one dict per finished change (epoch, kind, old and new ids, started, drained,
-        finished, composition after it), in finishing order.
+        finished, composition after it), in finishing order; the last `log_limit` of them.
+      finished: finished changes by kind ("split", "merge"), all of them.
     """
 
-    def __init__(self, next_worker_id: int) -> None:
+    def __init__(self, next_worker_id: int, log_limit: int | None = None) -> None:
         self.epoch = 0
         self.in_progress: dict[int, Reconfiguration] = {}
-        self.log: list[dict] = []
+        self.log: list[dict] | deque[dict] = [] if log_limit is None else deque(maxlen=log_limit)
+        self.finished: Counter[str] = Counter()
         self._next_worker_id = next_worker_id
+
+    @property
+    def num_finished(self) -> int:
+        """Finished changes, all kinds, since the start (`log` may keep fewer)."""
+        return sum(self.finished.values())
 
     def new_worker_ids(self, n: int) -> tuple[int, ...]:
         """`n` fresh worker ids (never reused)."""
@@ -113,6 +136,44 @@ class Reconfigurations:
             raise ValueError("new workers must keep the old KV blocks per device")
         return olds
 
+    def refuse_stranding(self, old_ids: Sequence[int], new_specs: Sequence[WorkerSpec],
+                         workers: Mapping[int, WorkerState], waiting: Sequence[Request]) -> None:
+        """Refuses a change after which no worker could hold some waiting request.
+
+        The pool after the change: the workers neither in `old_ids` nor draining for a change
+        in progress, the new workers of the changes in progress, and `new_specs`. A request
+        fits a worker when `input_len <= max_input_len` and its blocks fit the worker's KV.
+
+        Args:
+          old_ids, new_specs: the change (already `check`ed).
+          workers: the pool's workers by id.
+          waiting: requests queued on a worker or waiting for one (running ones finish under
+            the old geometry and are not counted).
+
+        Raises:
+          StrandedRequests: naming the requests (up to 8 ids), their longest input and the
+            largest worker after the change.
+        """
+        leaving = set(old_ids) | {w for r in self.in_progress.values() for w in r.old_ids}
+        after = [w.spec for wid, w in workers.items() if wid not in leaving]
+        after += [s for r in self.in_progress.values() for s in r.new_specs] + list(new_specs)
+
+        def fits(r: Request) -> bool:
+            need = -(-r.input_len // r.block_size)
+            return any(r.input_len <= s.max_input_len and need <= s.kv_capacity_blocks
+                       for s in after)
+
+        stranded = [r for r in waiting if not fits(r)]
+        if stranded:
+            largest = max((s.max_input_len for s in after), default=0)
+            ids = ", ".join(repr(r.request_id) for r in stranded[:8])
+            more = f" and {len(stranded) - 8} more" if len(stranded) > 8 else ""
+            raise StrandedRequests(
+                f"{len(stranded)} waiting request(s) ({ids}{more}; up to "
+                f"{max(r.input_len for r in stranded)} tokens) need a larger worker than any the "
+                f"pool would have after this change (the largest would hold {largest} tokens)",
+                stranded, largest)
+
     def open(self, kind: str, old_ids: Sequence[int], new_specs: Sequence[WorkerSpec],
              now: float) -> Reconfiguration:
         """Records a checked change (`check`) under the next epoch and returns it."""
@@ -144,7 +205,8 @@ class Reconfigurations:
         return rec
 
     def record(self, rec: Reconfiguration, now: float, composition: list[int]) -> None:
-        """Appends a finished change to `log`."""
+        """Appends a finished change to `log` and counts it in `finished`."""
+        self.finished[rec.kind] += 1
         self.log.append({
             "epoch": rec.epoch, "kind": rec.kind, "old": list(rec.old_ids),
             "new": [s.worker_id for s in rec.new_specs], "started": rec.started,

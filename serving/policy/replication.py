@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Sequence
 
 from serving.policy.worker import WorkerStatus
@@ -89,18 +90,23 @@ class PrefixCopies:
       in_flight: copies started and not finished, by (destination, prefix tip hash).
       reclaims: reclamations asked for and not confirmed, by (worker, prefix tip hash): start
         time in seconds.
-      log: one dict per finished copy (src, dst, blocks, reason, started, finished).
-      reclaim_log: one dict per confirmed reclamation (worker, blocks, time).
+      log: one dict per finished copy (src, dst, blocks, reason, started, finished); the
+        last `log_limit` of them (None: all).
+      reclaim_log: one dict per confirmed reclamation (worker, blocks, time); the last
+        `log_limit`.
+      num_copies, num_reclaims: finished copies and confirmed reclamations, all of them.
     """
 
-    def __init__(self, workers, prefix_index, backend) -> None:
+    def __init__(self, workers, prefix_index, backend, log_limit: int | None = None) -> None:
         self._workers = workers
         self._index = prefix_index
         self._backend = backend
         self.in_flight: dict[tuple[int, int], Replication] = {}
         self.reclaims: dict[tuple[int, int], float] = {}
-        self.log: list[dict] = []
-        self.reclaim_log: list[dict] = []
+        self.log: list[dict] | deque[dict] = [] if log_limit is None else deque(maxlen=log_limit)
+        self.reclaim_log: list[dict] | deque[dict] = ([] if log_limit is None
+                                                      else deque(maxlen=log_limit))
+        self.num_copies = self.num_reclaims = 0
 
     def begin(self, src: int, dst: int, chain: Sequence[int], block_size: int, now: float,
               reason: str = "intra-degree", request_id: str | int | None = None) -> Replication:
@@ -195,6 +201,7 @@ class PrefixCopies:
                 self._index.evict(rep.dst, evicted)
             if inserted:
                 self._index.insert(rep.dst, inserted)
+        self.num_copies += 1
         self.log.append({"src": rep.src, "dst": rep.dst, "blocks": rep.num_blocks,
                          "reason": rep.reason, "started": rep.started, "finished": now})
 
@@ -225,6 +232,7 @@ class PrefixCopies:
             raise ValueError(f"no reclamation of that prefix on worker {worker_id} is pending")
         if worker_id in self._workers and evicted:
             self._index.evict(worker_id, evicted)
+        self.num_reclaims += 1
         self.reclaim_log.append({"worker": worker_id, "blocks": len(evicted), "time": now})
 
 

@@ -176,6 +176,8 @@ class RequestRecord:
       first_token: generated token id when the backend runs a real model.
       global_cached_len: the longest prefix of the request cached on *any* worker when it was
         routed (tokens); `cached_len` is the part actually reused.
+      aborted: True when the request was withdrawn before it started (`Scheduler.abort`, e.g.
+        its client went away); `error` then says why.
     """
 
     request: Request
@@ -191,6 +193,7 @@ class RequestRecord:
     error: str | None = None
     first_token: int | None = None
     global_cached_len: int = 0
+    aborted: bool = False
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ given the time `now` in seconds by the caller (it never reads a clock):
   worker's KV events to the prefix index, release the reservation, report the request, start
   the worker's next request;
 - `fail(worker_id, request_id, now, error)`: the backend could not run a prefill;
+- `abort(request_id, now, reason)`: withdraw a request that has not started;
 - `tick(now)`: periodic hooks (the reconfiguration controller and prefix-cache manager plug
   in here).
 
@@ -19,7 +20,7 @@ prefix copies in flight, reclamations pending and their logs). The scheduler's o
 swap workers); copies are asked for through `copies` directly.
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
-`RequestRecord` given to the listener, completed or failed with an explicit error.
+`RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
 """
 
 from __future__ import annotations
@@ -27,21 +28,14 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
-
-from serving.policy.backend import Backend, PrefillResult
+from serving.policy.backend import Backend, CostModel, PrefillResult
+from serving.policy.eligibility import eligible_workers
 from serving.policy.prefix_index import PendingPrefixes, PrefixIndex
 from serving.policy.reconfiguration import Reconfiguration, Reconfigurations
 from serving.policy.replication import PrefixCopies
 from serving.policy.request import Request, RequestRecord
 from serving.policy.router import Router
 from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
-
-
-class CostModel(Protocol):
-    """Predicted prefill time; `serving.policy.cost_model.PrefillCostModel` implements it."""
-
-    def predict(self, cp_degree: int, input_len: int, cached_len: int) -> float: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +57,8 @@ class Scheduler:
       backend: runs prefills (`Backend`).
       listener: called once per finished request with its `RequestRecord`.
       prefix_index: the cluster's block-holder index (a fresh one by default).
+      log_limit: finished splits, merges, copies and reclamations the logs of `reconfig` and
+        `copies` keep (the latest; None: all, as the simulator's analyses want them).
 
     Raises:
       ValueError: duplicate worker ids, or an empty pool.
@@ -70,7 +66,8 @@ class Scheduler:
 
     def __init__(self, workers: Sequence[WorkerSpec], cost_model: CostModel, router: Router,
                  backend: Backend, listener: Callable[[RequestRecord], None] | None = None,
-                 prefix_index: PrefixIndex | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None,
+                 log_limit: int | None = None) -> None:
         if not workers:
             raise ValueError("workers must name at least one worker")
         ids = [w.worker_id for w in workers]
@@ -85,7 +82,7 @@ class Scheduler:
         self.pending = PendingPrefixes()
         # the index's `record` (demand statistics of a `GlobalPrefixTrie`), looked up once
         self._record: Callable[..., None] | None = getattr(self._prefix_index, "record", None)
-        self.reconfig = Reconfigurations(next_worker_id=max(ids) + 1)
+        self.reconfig = Reconfigurations(max(ids) + 1, log_limit)
         self._workers: dict[int, WorkerState] = {}
         for spec in sorted(workers, key=lambda s: s.worker_id):
             self.workers[spec.worker_id] = WorkerState(spec, epoch=self.reconfig.epoch)
@@ -97,12 +94,13 @@ class Scheduler:
         # Called with (request, worker id, now) when a request leaves its worker's queue, just
         # before the backend starts its prefill (e.g. a router fetching the prefix for it).
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
-        self.copies = PrefixCopies(self.workers, self.prefix_index, backend)
+        self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
         self._placements: dict[str | int, _Placement] = {}
         self._pending: deque[Request] = deque()
         self.num_submitted = 0
         self.num_completed = 0
         self.num_failed = 0
+        self.num_aborted = 0
         bind = getattr(router, "bind", None)
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
@@ -128,42 +126,15 @@ class Scheduler:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet ended (queued, running or pending)."""
-        return self.num_submitted - self.num_completed - self.num_failed
+        return self.num_submitted - self.num_completed - self.num_failed - self.num_aborted
 
     def eligible(self, request: Request) -> tuple[list[WorkerState], list[int]]:
         """ACTIVE workers able to hold `request`, and per worker its matched leading blocks.
 
         A cache miss never excludes a worker; only status, length and KV capacity do.
         """
-        return self._eligible(request, False)[:2]
-
-    def _eligible(self, request: Request, with_global: bool
-                  ) -> tuple[list[WorkerState], list[int], int]:
-        """`eligible` plus, when `with_global`, the request's global match (blocks held by
-        some worker, `PrefixIndex.global_match_blocks`; else 0), from one pass over the index."""
-        n = request.input_len
-        need = -(-n // request.block_size)
-        active = WorkerStatus.ACTIVE
-        candidates, ids = [], []
-        for w in self.workers.values():
-            spec = w.spec
-            if w.status is active and n <= spec.max_input_len and need <= spec.kv_capacity_blocks:
-                candidates.append(w)
-                ids.append(spec.worker_id)
-        if not candidates:
-            return candidates, [], 0
-        hashes, limit = request.block_hashes, (n - 1) // request.block_size  # max_cacheable_blocks
-        index = self.prefix_index
-        if not with_global:
-            matched, global_blocks = index.match_blocks(hashes, limit, ids), 0
-        elif hasattr(index, "match_blocks_and_global"):  # `PrefixIndex` and subclasses
-            matched, global_blocks = index.match_blocks_and_global(hashes, limit, ids)
-        else:
-            matched = index.match_blocks(hashes, limit, ids)
-            global_blocks = index.global_match_blocks(hashes, limit)
-        if self._use_pending:
-            matched = self.pending.extend_matches(hashes, limit, ids, matched)
-        return candidates, matched, global_blocks
+        return eligible_workers(self.workers.values(), self.prefix_index,
+                                self.pending if self._use_pending else None, request, False)[:2]
 
     # ----------------------------------------------------------------------------- events
     def submit(self, request: Request, now: float) -> int | None:
@@ -234,6 +205,35 @@ class Scheduler:
             placement.estimate, error, None, placement.global_cached_len))
         self._after_run(worker, now)
 
+    def abort(self, request_id: str | int, now: float, reason: str) -> bool:
+        """Withdraws `request_id` if it has not started (queued on a worker, or waiting for
+        one), as vLLM aborts a request whose client disconnected; a running prefill is never
+        dropped. The listener gets its record (`aborted=True`, `error=reason`).
+
+        Returns:
+          True when the request was withdrawn; False when it is running or not in flight.
+        """
+        placement = self._placements.get(request_id)
+        if placement is not None:
+            worker = placement.worker
+            request = next((r for r in worker.queue if r.request_id == request_id), None)
+            if request is None:
+                return False  # running
+            worker.queue.remove(request)
+            worker.queued_seconds = (max(0.0, worker.queued_seconds - placement.estimate)
+                                     if worker.queue else 0.0)
+            del self._placements[request_id]
+            if self._use_pending:
+                self.pending.remove(worker.worker_id, request.block_hashes[:request.full_blocks])
+        else:
+            request = next((r for r in self._pending if r.request_id == request_id), None)
+            if request is None:
+                return False
+            self._pending.remove(request)
+        self.num_aborted += 1
+        self.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
+        return True
+
     def tick(self, now: float) -> None:
         """Runs the periodic hooks, then retries requests waiting for a worker."""
         for hook in self.tick_hooks:
@@ -267,8 +267,12 @@ class Scheduler:
         Raises:
           ValueError: (nothing changed) the change is not a legal split or merge of the pool
             (`Reconfigurations.check` says which rule it breaks).
+          StrandedRequests: (a ValueError; nothing changed) requests queued or waiting that
+            no worker of the pool after the change could hold (`Reconfigurations.stranded`).
         """
         olds = self.reconfig.check(kind, old_ids, new_specs, self.workers)
+        waiting = [r for w in self.workers.values() for r in w.queue] + list(self._pending)
+        self.reconfig.refuse_stranding(old_ids, new_specs, self.workers, waiting)
         rec = self.reconfig.open(kind, old_ids, new_specs, now)
         requeue = []
         for w in olds:
@@ -317,7 +321,9 @@ class Scheduler:
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
         record = self._record
-        candidates, matched, global_blocks = self._eligible(request, record is not None)
+        candidates, matched, global_blocks = eligible_workers(
+            self.workers.values(), self.prefix_index, self.pending if self._use_pending else None,
+            request, record is not None)
         if not candidates:
             if any(w.can_hold(request) for w in self.workers.values()) or \
                     self.reconfig.will_hold(request):

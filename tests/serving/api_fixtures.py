@@ -19,9 +19,17 @@ from tests.serving.fake_backend import FakeBackend
 BS = 16
 
 
-def make_client(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="admin",
-                fail_token=None, composition=(4, 2, 2), max_model_len=1024, router=None, degrees=(1, 2, 4, 8),
-                controller_policy=None):
+def make_client(**kwargs):
+    """A `TestClient` over `make_app(**kwargs)`, and the engine."""
+    app, engine = make_app(**kwargs)
+    return TestClient(app), engine
+
+
+def make_app(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="admin",
+             fail_token=None, composition=(4, 2, 2), max_model_len=1024, router=None,
+             degrees=(1, 2, 4, 8), controller_policy=None, body_timeout=30.0):
+    """The real HTTP app over an engine whose backend is `FakeBackend` (`seconds` per prefill),
+    and the engine."""
     cfg = EngineConfig(block_size=BS, kv_blocks_per_device=64, max_model_len=max_model_len,
                        controller=controller_policy is not None, cache_manager=False,
                        max_in_flight=max_in_flight, tick_seconds=0.05,
@@ -40,8 +48,8 @@ def make_client(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="
     engine = Engine(cfg, make_backend, specs, cost, sum(composition), hash_prompt, router=router,
                     degrees=degrees)
     app = create_app(engine, tokenizer=ByteTokenizer(256), model_name="tiny", vocab_size=256,
-                     api_key=api_key, admin_api_key=admin_api_key)
-    return TestClient(app), engine
+                     api_key=api_key, admin_api_key=admin_api_key, body_timeout=body_timeout)
+    return app, engine
 
 
 def wait_until(cond, timeout=120.0):

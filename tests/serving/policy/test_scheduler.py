@@ -203,3 +203,44 @@ def test_collaborators_share_the_schedulers_state_which_is_fixed():
             setattr(s, name, value)
     assert s.epoch == s.reconfig.epoch == 0 and s.new_worker_ids(2) == (2, 3)
     assert s.reconfig.new_worker_ids(1) == (4,)  # one counter, owned by `reconfig`
+
+
+def test_abort_withdraws_queued_and_pending_never_running():
+    s, backend, done = make((1, 1))
+    for i in range(4):  # 0, 1 run; 2, 3 queue
+        s.submit(req(i, 2000), 0.0)
+    queued_worker = s._placements[2].worker
+    before = queued_worker.queued_seconds
+    assert not s.abort(0, 0.1, "gone")  # running: never dropped
+    assert s.abort(2, 0.1, "gone") and not s.abort(2, 0.1, "gone")
+    assert before == pytest.approx(2.0) and queued_worker.queued_seconds == 0.0
+    assert not queued_worker.queue
+    assert done[-1].aborted and done[-1].error == "gone" and done[-1].request.request_id == 2
+    assert s.num_in_flight == 3 and s.num_aborted == 1
+    for w in (0, 1):  # the rest run to completion; 2 never starts
+        s.complete(w, w, 1.0, PrefillResult(0, 1.0, 1.0))
+    s.complete(s._placements[3].worker.worker_id, 3, 2.0, PrefillResult(0, 2.0, 2.0))
+    assert 2 not in [rid for _, rid, _ in backend.started] and s.num_in_flight == 0
+    assert sorted(r.request.request_id for r in done if r.ok) == [0, 1, 3]
+
+
+def test_a_change_that_strands_waiting_requests_is_refused_whole():
+    from serving.policy.reconfiguration import StrandedRequests
+    from serving.policy.worker import split_halves
+    limit = lambda c: 1000 * c + 1000  # noqa: E731 (CP-1 holds 2,000 tokens, CP-2 3,000)
+    done = []
+    s = Scheduler([WorkerSpec(0, 2, 0, 200, limit(2)), WorkerSpec(1, 2, 2, 200, limit(2))],
+                  Cost(), LeastWorkRouter(), RecordingBackend(), done.append)
+    for i in range(4):  # two run, two queue: all 2,500 tokens
+        s.submit(req(i, 2500), 0.0)
+    rec = s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec,
+                                                             s.new_worker_ids(2), limit), 0.1)
+    queued = [r.request_id for r in s.workers[1].queue]
+    assert sorted(queued) == [2, 3]  # worker 0's queued request moved to worker 1, which holds it
+    halves = split_halves(s.workers[1].spec, s.new_worker_ids(2), limit)
+    with pytest.raises(StrandedRequests, match="up to 2500 tokens") as e:
+        s.begin_reconfiguration("split", [1], halves, 0.2)
+    assert [r.request_id for r in e.value.requests] == queued and e.value.largest == 2000
+    # nothing changed
+    assert s.workers[1].status is WorkerStatus.ACTIVE and list(s.reconfig.in_progress) == [rec.epoch]
+    assert [r.request_id for r in s.workers[1].queue] == queued and not done

@@ -1,0 +1,155 @@
+"""What every HTTP request passes before the API sees it: keys, a body size limit, a body deadline.
+
+`RequestGate` is a pure ASGI middleware (no `BaseHTTPMiddleware`, so the endpoint's `receive`
+still reports `http.disconnect`). For each HTTP request it
+
+1. refuses a declared `Content-Length` over `max_body_bytes` with 413 before reading anything;
+2. checks the bearer key: the admin key on the admin paths (403 when the server has none), the
+   API key elsewhere (401), before the body is read, so a request without the right key learns
+   nothing and costs nothing;
+3. reads the body, whatever its framing (a `Content-Length` or chunked), counting bytes: 413 as
+   soon as it passes `max_body_bytes` (nothing past the limit is kept), 408 when the whole body
+   has not arrived within `body_timeout` seconds of the headers (a client that sends headers
+   and part of a body holds no connection longer than that);
+4. hands the app the body it read, then the connection's own `receive` (so the endpoint sees
+   the client disconnect).
+
+413 and 408 carry `Connection: close`; after a 413 the rest of what the client is still sending
+is read and dropped for up to `linger` seconds before the connection closes, as nginx's
+lingering close does, so the client reads its 413 instead of a connection reset.
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` (`param` is `body`
+for the body's own errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+ADMIN_PATHS = ("/v1/workers/split", "/v1/workers/merge", "/reset_prefix_cache")
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error", headers: dict | None = None
+                   ) -> JSONResponse:
+    """OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with `status`."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def bearer_ok(headers: Headers, key: str) -> bool:
+    """Whether `Authorization: Bearer <key>` is present (compared in constant time)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class RequestGate:
+    """The ASGI middleware described in the module docstring.
+
+    Args:
+      app: the ASGI app behind the gate.
+      api_key: bearer key of every endpoint but the admin ones (None: open).
+      admin_api_key: bearer key of `ADMIN_PATHS` (None: they answer 403).
+      max_body_bytes: largest request body accepted (bytes), >= 1.
+      body_timeout: seconds from the headers to the end of the body, > 0.
+      linger: seconds a refused oversized body is still read (and dropped) before closing.
+      on_refused: called with "body_too_large" or "body_timeout" per refusal (metrics).
+
+    Raises:
+      ValueError: `max_body_bytes < 1` or a `body_timeout` that is not a finite number > 0.
+    """
+
+    def __init__(self, app, *, api_key: str | None, admin_api_key: str | None,
+                 max_body_bytes: int, body_timeout: float, linger: float = 2.0,
+                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if not (0 < body_timeout < float("inf")):
+            raise ValueError(f"body_timeout must be a finite number of seconds > 0, got "
+                             f"{body_timeout}")
+        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+        self.max_body_bytes, self.body_timeout, self.linger = max_body_bytes, body_timeout, linger
+        self.on_refused = on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.max_body_bytes:
+            await self._too_large(scope, receive, send, f"{size} bytes")
+            return
+        denied = self._denied(scope["path"], headers)
+        if denied is not None:
+            await denied(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
+        chunks, total, more = [], 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                self.on_refused("body_timeout")
+                await error_response(
+                    408, f"the request body did not arrive within {self.body_timeout:g} s "
+                         f"({total} bytes received)", "body",
+                    headers={"Connection": "close"})(scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client left before its request was whole: nothing to answer
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_body_bytes:
+                await self._too_large(scope, receive, send, f"more than {self.max_body_bytes} "
+                                                            "bytes (chunked)")
+                return
+            chunks.append(body)
+            more = message.get("more_body", False)
+        whole, delivered = b"".join(chunks), False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": whole, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _denied(self, path: str, headers: Headers) -> JSONResponse | None:
+        if path in ADMIN_PATHS:
+            if self.admin_api_key is None:
+                return error_response(403, "admin operations are disabled: start the server "
+                                           "with --admin_api_key", None, "permission_error")
+            if not bearer_ok(headers, self.admin_api_key):
+                return error_response(401, "missing or wrong admin API key (Authorization: "
+                                           "Bearer <admin key>)", None, "authentication_error")
+        elif self.api_key is not None and not bearer_ok(headers, self.api_key):
+            return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                  None, "authentication_error")
+        return None
+
+    async def _too_large(self, scope, receive, send, what: str) -> None:
+        self.on_refused("body_too_large")
+        response = error_response(413, f"request body of {what} is larger than "
+                                       f"{self.max_body_bytes} bytes", "body",
+                                  headers={"Connection": "close"})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.linger
+        try:  # lingering close: drop what the client still sends, so it reads the 413
+            while (left := end - loop.time()) > 0:
+                message = await asyncio.wait_for(receive(), left)
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+        except asyncio.TimeoutError:
+            pass
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
