@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 import httpx
 
@@ -99,7 +99,7 @@ async def replay(url: str, pairs: list[tuple[Request, list[int]]], api_key: str 
         t0 = time.perf_counter()
         records = await asyncio.gather(*(_send(client, t0, r, p, headers, lags, server_ttft)
                                          for r, p in pairs))
-        state = (await client.get("/v1/workers", headers=headers)).json()
+        state = (await client.get("/v1/workers?reconfigurations=256", headers=headers)).json()
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
     return list(records), state
@@ -155,7 +155,7 @@ async def replay_sessions(url: str, loop: ClosedLoop,
         schedule(loop.start())
         while tasks:
             await asyncio.gather(*list(tasks))
-        state = (await client.get("/v1/workers", headers=headers)).json()
+        state = (await client.get("/v1/workers?reconfigurations=256", headers=headers)).json()
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
     state["unsent_requests"] = loop.total_requests() - sent
@@ -195,7 +195,8 @@ def pool_state(url: str, headers: dict | None = None) -> PoolState:
     r = httpx.get(f"{url}/v1/workers", headers=headers, timeout=10.0)
     r.raise_for_status()
     info = r.json()
-    return PoolState(len(info["reconfigurations"]), len(info["reconfigurations_in_progress"]),
+    return PoolState(info.get("reconfigurations_total", len(info["reconfigurations"])),
+                     len(info["reconfigurations_in_progress"]),
                      info["composition"],
                      sum(int(w.get("prefill_executables", 0)) for w in info["workers"]))
 
@@ -212,10 +213,15 @@ def compiled_executables(url: str, headers: dict | None = None) -> int:
 
 @contextlib.contextmanager
 def launched_server(server_flags: str, url: str, headers: dict | None = None,
-                    timeout: float = 300.0):
-    """Runs `python -m serving.main <server_flags>` for the duration of the block."""
+                    timeout: float = 300.0, log: IO | None = None, new_session: bool = False):
+    """Runs `python -m serving.main <server_flags>` for the duration of the block; yields the
+    `subprocess.Popen` (its `returncode` is the exit status after the block). With `log` (a
+    file open for writing) the server's stdout and stderr go there; with `new_session` it runs
+    in its own session, so a Ctrl-C at the terminal reaches only the caller, which stops the
+    server (SIGTERM) when it leaves the block."""
     cmd = [sys.executable, "-m", "serving.main", *shlex.split(server_flags)]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                            start_new_session=new_session)
     try:
         wait_healthy(url, timeout, proc, headers)
         yield proc

@@ -1,0 +1,125 @@
+"""What a soak run (`eval.live.soak`) does and sends: `SoakConfig` (the flags of
+`python -m eval.soak`), `PromptSet` (its prompts), and `rss_mib` (a process's resident memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SoakConfig:
+    """What a soak run does (the flags of `python -m eval.soak`).
+
+    Attributes:
+      url: the server's base URL.
+      admin_api_key: bearer key of the admin endpoints (split / merge).
+      api_key: bearer key of every endpoint (None: the server wants none).
+      operations: splits and merges to finish, >= 1.
+      interval_s: seconds from the start of one operation to the start of the next (the next
+        starts at once when an operation takes longer).
+      concurrency: requests in flight at once (closed-loop senders), >= 1.
+      rate: cap on the requests sent per second, all senders together (0 = no cap).
+      repeated_prompts: fixed prompts sent again and again (first-token check), >= 1.
+      repeat_fraction: share of the requests that send a repeated prompt, in [0, 1].
+      prompt_lengths: prompt lengths in tokens (each prompt draws one).
+      degrees: CP degrees a split or merge may create (the server's `--degrees`).
+      walk: how operations follow each other (`eval.live.soak_ops.next_kind`): "sweep"
+        (split down to the smallest degree, merge up to the largest, again), "alternate" or
+        "random".
+      max_duration_s: no operation is started after this many seconds of run.
+      request_timeout_s: a completion not answered within this many seconds is lost.
+      reconfig_timeout_s: a split or merge not finished within this many seconds is stuck
+        (the run stops).
+      rss_interval_s: seconds between RSS samples of the server process.
+      progress_interval_s: seconds between progress lines (0 = none).
+      seed: seed of the prompts and of the choice of operations.
+      server_pid: process whose RSS is sampled (None: not sampled).
+    """
+
+    url: str
+    admin_api_key: str
+    api_key: str | None = None
+    operations: int = 1000
+    interval_s: float = 1.5
+    concurrency: int = 8
+    rate: float = 0.0
+    repeated_prompts: int = 8
+    repeat_fraction: float = 0.5
+    prompt_lengths: tuple[int, ...] = (12, 40)
+    degrees: tuple[int, ...] = (1, 2, 4, 8)
+    walk: str = "sweep"
+    max_duration_s: float = 3600.0
+    request_timeout_s: float = 300.0
+    reconfig_timeout_s: float = 300.0
+    rss_interval_s: float = 5.0
+    progress_interval_s: float = 30.0
+    seed: int = 0
+    server_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("operations", "concurrency", "repeated_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.walk not in ("sweep", "alternate", "random"):  # soak_ops.WALKS
+            raise ValueError(f"walk must be sweep, alternate or random, got {self.walk!r}")
+        if not 0.0 <= self.repeat_fraction <= 1.0:
+            raise ValueError(f"repeat_fraction must be in [0, 1], got {self.repeat_fraction}")
+        if not self.prompt_lengths or min(self.prompt_lengths) < 1:
+            raise ValueError(f"prompt_lengths must be >= 1 tokens, got {self.prompt_lengths}")
+        for name in ("interval_s", "rate", "max_duration_s", "request_timeout_s",
+                     "reconfig_timeout_s", "rss_interval_s", "progress_interval_s"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 seconds, got {v}")
+        if min(self.request_timeout_s, self.reconfig_timeout_s, self.rss_interval_s) <= 0:
+            raise ValueError("request_timeout_s, reconfig_timeout_s and rss_interval_s must "
+                             "be > 0 seconds")
+
+
+class PromptSet:
+    """The prompts of a run: `repeated` fixed prompts and, for the other requests, unique
+    random ones; deterministic in `seed` and the request number.
+
+    Args:
+      vocab_size: token ids are drawn from `[0, vocab_size)`.
+      lengths: prompt lengths (tokens); repeated prompt i has `lengths[i % len(lengths)]`.
+      repeated: number of repeated prompts, >= 1.
+      repeat_fraction: probability that a request sends a repeated prompt.
+      seed: the seed.
+    """
+
+    def __init__(self, vocab_size: int, lengths: Sequence[int], repeated: int,
+                 repeat_fraction: float, seed: int) -> None:
+        self.vocab_size, self.lengths = vocab_size, tuple(lengths)
+        self.repeat_fraction, self.seed = repeat_fraction, seed
+        rng = np.random.default_rng([seed, 0])
+        self.repeated = [[int(t) for t in rng.integers(0, vocab_size, self.lengths[i % len(
+            self.lengths)])] for i in range(repeated)]
+
+    def pick(self, n: int) -> tuple[int | None, list[int]]:
+        """Request number `n`'s prompt: `(repeated prompt number, tokens)`, or `(None, tokens)`
+        for a unique prompt."""
+        rng = np.random.default_rng([self.seed, 1, n])
+        if rng.random() < self.repeat_fraction:
+            i = int(rng.integers(len(self.repeated)))
+            return i, self.repeated[i]
+        length = self.lengths[int(rng.integers(len(self.lengths)))]
+        return None, [int(t) for t in rng.integers(0, self.vocab_size, length)]
+
+
+def rss_mib(pid: int | None) -> float | None:
+    """Resident set size of process `pid` in MiB (`VmRSS` of `/proc/<pid>/status`); None when
+    `pid` is None or the process (or /proc) is not there."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
