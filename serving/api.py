@@ -115,6 +115,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         field = _field(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {first.get('msg')}", "body")
+        if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
+            return _error(400, "request body must be a JSON object (send it with Content-Type: "
+                               "application/json)", "body")
         msgs = "; ".join(f"{_field(e.get('loc', ()))}: "
                          f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5])
         return _error(400, msgs, field)
@@ -142,15 +145,15 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(400, f"{param} is not valid Unicode text ({e})", param) from None
         if not ids:
             raise ApiError(400, f"{param} must not be empty", param)
-        for k, t in enumerate(ids):
-            if not 0 <= t < vocab_size:
-                raise ApiError(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})",
-                               param)
-        limit = engine.max_prompt_len
+        limit = engine.max_prompt_len  # checked first: it bounds the vocabulary check's cost
         if len(ids) > limit:
             raise ApiError(400, f"{param} has {len(ids)} tokens, more than the maximum of "
                                 f"{limit} (max_model_len, and the KV blocks of the largest "
                                 "worker the pool can form)", param)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            k, t = next((k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise ApiError(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})",
+                           param)
         return ids
 
     @app.post("/v1/completions")
@@ -171,27 +174,26 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         prompts = body.prompts()
         batch = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(
             body.prompt[0], (str, list))
-        token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
-        if len(token_lists) > engine.config.max_in_flight:
-            raise ApiError(400, f"prompt holds a batch of {len(token_lists)} prompts, more than "
+        if len(prompts) > engine.config.max_in_flight:  # before any of them is tokenized
+            raise ApiError(400, f"prompt holds a batch of {len(prompts)} prompts, more than "
                                 f"the server ever admits at once (max_in_flight="
                                 f"{engine.config.max_in_flight})", "prompt")
+        token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
         try:
             results = await engine.prefill_many(token_lists,
                                                 disconnected=lambda: _disconnected(request.receive))
         except Overloaded as e:
-            metrics.rejected.labels("overloaded").inc()
+            metrics.rejected.labels("overloaded").inc(len(token_lists))
             raise ApiError(429, str(e), None, "rate_limit_error",
                            {"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown as e:
-            metrics.rejected.labels("shutting_down").inc()
+            metrics.rejected.labels("shutting_down").inc(len(token_lists))
             raise ApiError(503, str(e), None, "service_unavailable") from None
         except ClientDisconnected as e:  # nobody reads this answer; 499 as nginx logs it
             return _error(499, str(e), None, "client_closed_request")
         for c in results:
             if not c.record.ok:
                 if c.record.worker_id is None:  # valid, but no worker of this composition fits
-                    metrics.rejected.labels("no_worker_fits").inc()
                     raise ApiError(503, f"{c.record.error}; retry when the pool has merged "
                                         "workers", "prompt", "service_unavailable",
                                    {"Retry-After": "1"})

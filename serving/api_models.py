@@ -28,7 +28,10 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # str | list[int] | list[str] | list[list[int]], checked by `_prompt_shape` in one pass
+    # that stops at the first bad item (a pydantic union would record an error per item and
+    # branch: minutes and gigabytes for a 16 MiB body of them).
+    prompt: Any
     max_tokens: StrictInt = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, strict=True, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
@@ -40,6 +43,11 @@ class CompletionRequest(BaseModel):
     user: str | None = None
     stop: str | list[str] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        return check_prompt_shape(v)
 
     @field_validator("stream", "echo")
     @classmethod
@@ -67,6 +75,52 @@ class CompletionRequest(BaseModel):
         if p and isinstance(p[0], (str, list)):
             return list(p)
         return [p]
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # not bool, not float: as pydantic's StrictInt
+
+
+def check_prompt_shape(v):
+    """`v` if it is a prompt: text, a list of token ids, a list of texts, or a list of lists of
+    token ids (OpenAI's completions `prompt`).
+
+    One pass over the items, stopping at the first bad one (cost bounded by the body's size).
+
+    Raises:
+      ValueError: naming the first item (`prompt[i]` or `prompt[i][j]`) that does not fit the
+        shape of the first.
+    """
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError(f"prompt must be a string, a list of token ids, a list of strings or a "
+                         f"list of lists of token ids, got {type(v).__name__}")
+    if not v:
+        return v
+    first = v[0]
+    if _is_int(first):
+        bad = next((i for i, x in enumerate(v) if not _is_int(x)), None)
+        kind = "a token id (an integer)"
+    elif isinstance(first, str):
+        bad = next((i for i, x in enumerate(v) if not isinstance(x, str)), None)
+        kind = "a string (a batch of texts)"
+    elif isinstance(first, list):
+        bad = next((i for i, x in enumerate(v) if not isinstance(x, list)), None)
+        kind = "a list of token ids (a batch of token lists)"
+        if bad is None:
+            for i, ids in enumerate(v):
+                j = next((j for j, x in enumerate(ids) if not _is_int(x)), None)
+                if j is not None:
+                    raise ValueError(f"prompt[{i}][{j}] must be a token id (an integer), got "
+                                     f"{type(ids[j]).__name__}")
+    else:
+        raise ValueError(f"prompt[0] must be a token id, a string or a list of token ids, got "
+                         f"{type(first).__name__}")
+    if bad is not None:
+        raise ValueError(f"prompt[{bad}] must be {kind} as prompt[0] is, got "
+                         f"{type(v[bad]).__name__}")
+    return v
 
 
 class SplitRequest(BaseModel):

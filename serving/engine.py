@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from serving.engine_config import (  # noqa: F401 (re-exported)
-    ClientDisconnected, EngineConfig, Overloaded, ShuttingDown)
+    ClientDisconnected, Completion, EngineConfig, Overloaded, ShuttingDown)
 from serving.policy.cache_manager import PrefixCacheManager
 from serving.policy.composition import CompositionController
 from serving.policy.controller import ReconfigurationController
@@ -41,34 +41,6 @@ _log = logging.getLogger(__name__)
 # Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
 # runs for months; the counters count all).
 RECONFIG_LOG_LIMIT = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """A finished prefill as the API reports it.
-
-    Attributes:
-      record: the scheduler's `RequestRecord` (worker, epoch, times, cached tokens, token).
-      prefill: the backend's `LivePrefill` (devices, block ids), None on failure.
-      queue_seconds, prefill_seconds, ttft_seconds: timings in seconds.
-    """
-
-    record: RequestRecord
-    prefill: object | None
-
-    @property
-    def queue_seconds(self) -> float:
-        r = self.record
-        return max(0.0, (r.start_time or r.request.arrival_time) - r.request.arrival_time)
-
-    @property
-    def prefill_seconds(self) -> float:
-        r = self.record
-        return max(0.0, (r.finish_time or 0.0) - (r.start_time or 0.0))
-
-    @property
-    def ttft_seconds(self) -> float | None:
-        return self.record.ttft
 
 
 class Engine:
@@ -120,9 +92,15 @@ class Engine:
     @property
     def max_prompt_len(self) -> int:
         """Longest prompt the pool can ever take (tokens): `max_model_len`, and the KV blocks of
-        a worker of the largest degree (`EngineConfig.max_input_len`). A shorter prompt that no
-        worker of the current composition can hold waits for one or is refused with 503."""
-        return self.config.max_input_len(max(self.degrees))
+        a worker of the largest degree merges can reach from the initial workers through the
+        allowed degrees (C -> 2C -> ..., each in `degrees`, at most `num_devices`). A shorter
+        prompt that no worker of the current composition can hold is refused with 503."""
+        reach = {w.cp_degree for w in self._specs}
+        for c in sorted(reach):
+            while 2 * c in self.degrees and 2 * c <= self.num_devices:
+                c *= 2
+                reach.add(c)
+        return self.config.max_input_len(max(reach))
 
     def now(self) -> float:
         """Seconds since the engine was built (monotonic)."""

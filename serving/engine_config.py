@@ -1,4 +1,5 @@
-"""`EngineConfig`, the live pool's knobs (the serving binary's flags), and the engine's errors.
+"""`EngineConfig`, the live pool's knobs (the serving binary's flags), the engine's errors, and
+`Completion`, what a finished prefill reports.
 
 Re-exported by `serving.engine`.
 """
@@ -11,6 +12,7 @@ import math
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.composition import CompositionConfig
 from serving.policy.controller import ControllerConfig
+from serving.policy.request import RequestRecord
 
 
 class Overloaded(RuntimeError):
@@ -81,3 +83,31 @@ class EngineConfig:
         """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks
         (`C * kv_blocks_per_device * block_size` tokens)."""
         return min(self.max_model_len, cp_degree * self.kv_blocks_per_device * self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished prefill as the API reports it.
+
+    Attributes:
+      record: the scheduler's `RequestRecord` (worker, epoch, times, cached tokens, token).
+      prefill: the backend's `LivePrefill` (devices, block ids), None on failure.
+      queue_seconds, prefill_seconds, ttft_seconds: timings in seconds.
+    """
+
+    record: RequestRecord
+    prefill: object | None
+
+    @property
+    def queue_seconds(self) -> float:
+        r = self.record
+        return max(0.0, (r.start_time or r.request.arrival_time) - r.request.arrival_time)
+
+    @property
+    def prefill_seconds(self) -> float:
+        r = self.record
+        return max(0.0, (r.finish_time or 0.0) - (r.start_time or 0.0))
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return self.record.ttft

@@ -15,8 +15,12 @@ still reports `http.disconnect`). For each HTTP request it
    the client disconnect).
 
 413 and 408 carry `Connection: close`; after a 413 the rest of what the client is still sending
-is read and dropped for up to `linger` seconds before the connection closes, as nginx's
-lingering close does, so the client reads its 413 instead of a connection reset.
+is read and dropped while it keeps coming (until `linger` seconds pass without data, at most
+`linger_max` seconds in all) before the connection closes, as nginx's lingering close does
+(`lingering_timeout`, `lingering_time`), so a client that sends its whole body before reading
+gets its 413 instead of a connection reset. If the server is torn down while a body is being
+read (a second Ctrl-C), the request is answered with the JSON 503 instead of uvicorn's
+plain-text 500.
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` (`param` is `body`
 for the body's own errors).
 """
@@ -56,7 +60,8 @@ class RequestGate:
       admin_api_key: bearer key of `ADMIN_PATHS` (None: they answer 403).
       max_body_bytes: largest request body accepted (bytes), >= 1.
       body_timeout: seconds from the headers to the end of the body, > 0.
-      linger: seconds a refused oversized body is still read (and dropped) before closing.
+      linger: after a 413, close once the client has sent nothing for this many seconds.
+      linger_max: after a 413, close after this many seconds in all.
       on_refused: called with "body_too_large" or "body_timeout" per refusal (metrics).
 
     Raises:
@@ -65,6 +70,7 @@ class RequestGate:
 
     def __init__(self, app, *, api_key: str | None, admin_api_key: str | None,
                  max_body_bytes: int, body_timeout: float, linger: float = 2.0,
+                 linger_max: float = 30.0,
                  on_refused: Callable[[str], None] = lambda reason: None) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -72,7 +78,8 @@ class RequestGate:
             raise ValueError(f"body_timeout must be a finite number of seconds > 0, got "
                              f"{body_timeout}")
         self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
-        self.max_body_bytes, self.body_timeout, self.linger = max_body_bytes, body_timeout, linger
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.linger, self.linger_max = linger, linger_max
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
@@ -94,6 +101,11 @@ class RequestGate:
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.CancelledError:  # the server is being torn down (forced quit)
+                await error_response(503, "the server shut down while this request's body was "
+                                          "arriving", None, "service_unavailable",
+                                     headers={"Connection": "close"})(scope, receive, send)
+                return
             except asyncio.TimeoutError:
                 self.on_refused("body_timeout")
                 await error_response(
@@ -126,7 +138,9 @@ class RequestGate:
         if path in ADMIN_PATHS:
             if self.admin_api_key is None:
                 return error_response(403, "admin operations are disabled: start the server "
-                                           "with --admin_api_key", None, "permission_error")
+                                           "with an admin key (--admin_api_key_file, "
+                                           "VERTUMNUS_ADMIN_API_KEY or --admin_api_key)", None,
+                                      "permission_error")
             if not bearer_ok(headers, self.admin_api_key):
                 return error_response(401, "missing or wrong admin API key (Authorization: "
                                            "Bearer <admin key>)", None, "authentication_error")
@@ -144,12 +158,12 @@ class RequestGate:
                     "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body, "more_body": True})
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.linger
+        end = loop.time() + self.linger_max
         try:  # lingering close: drop what the client still sends, so it reads the 413
-            while (left := end - loop.time()) > 0:
+            while (left := min(self.linger, end - loop.time())) > 0:
                 message = await asyncio.wait_for(receive(), left)
                 if message["type"] != "http.request" or not message.get("more_body", False):
                     break
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, asyncio.CancelledError):  # quiet, or the server stops
             pass
         await send({"type": "http.response.body", "body": b"", "more_body": False})

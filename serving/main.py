@@ -1,9 +1,9 @@
-"""The serving binary: the live prefill pool behind an OpenAI-compatible HTTP API.
+r"""The serving binary: the live prefill pool behind an OpenAI-compatible HTTP API.
 
     python -m serving.main                       # tiny model, 8 host CPU devices, 127.0.0.1:8000
     python -m serving.main --composition=4,2,2 --controller=false --port=8100
     python -m serving.main --checkpoint=/models/Qwen3-0.6B --profile=gpu_profile.csv \
-        --num_devices=8 --host=0.0.0.0 --api_key=$KEY --admin_api_key=$ADMIN
+        --num_devices=8 --host=0.0.0.0 --api_key_file=key.txt --admin_api_key_file=admin.txt
 
 On a CPU host, `--num_devices` host devices are created (jax_num_cpu_devices) before any device
 is touched. SIGTERM or Ctrl-C: the server answers new requests with 503, finishes the prefills in
@@ -116,20 +116,28 @@ def api_key(flag: str | None, path: str | None, env_var: str) -> str | None:
     """A key from its flag, else the first line of its file, else the environment variable.
 
     Raises:
-      app.UsageError: the file cannot be read, or its first line is empty.
+      app.UsageError: the file cannot be read, its first line is empty or longer than 4,096
+        characters, or the key is not printable ASCII (HTTP headers carry bytes as latin-1,
+        so any other key could never match).
     """
     if flag:
-        return flag
-    if path:
+        key, origin = flag, "the flag"
+    elif path:
         try:
-            with open(path, encoding="utf-8") as f:
-                key = f.readline(4096).strip()
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM is not part of the key
+                line = f.readline(4097)
         except (OSError, UnicodeError) as e:
             raise app.UsageError(f"cannot read the key file {path!r}: {e}") from None
+        key, origin = line.strip(), f"the key file {path!r}"
         if not key:
             raise app.UsageError(f"the key file {path!r} has an empty first line")
-        return key
-    return os.environ.get(env_var) or None
+        if len(line.rstrip("\r\n")) > 4096:
+            raise app.UsageError(f"the key file {path!r} has a first line over 4096 characters")
+    else:
+        key, origin = os.environ.get(env_var) or None, env_var
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise app.UsageError(f"the key from {origin} must be printable ASCII")
+    return key
 
 
 def server_config() -> ServerConfig:
@@ -191,6 +199,7 @@ def main(argv):
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
                  _HOST.value, _PORT.value, _NUM_DEVICES.value)
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
+    logging.set_verbosity(_LOG_LEVEL.value)  # absl's own lines (this binary's, the engine's)
     server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
                                            log_level=_LOG_LEVEL.value),
                             application.state.engine, _SHUTDOWN.value,
@@ -200,7 +209,10 @@ def main(argv):
     # no-op handler makes that graceful shutdown end in exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits (status 3) when it cannot bind; say so in one line
+        pass
     if not server.started:
         sys.exit(f"error: the server could not start on {_HOST.value}:{_PORT.value}")
     logging.info("server stopped")

@@ -13,7 +13,7 @@ one process, e.g. in tests).
 | `vertumnus:request_success_total` | counter | | requests |
 | `vertumnus:request_failure_total` | counter | | requests |
 | `vertumnus:request_aborted_total` | counter | | requests withdrawn (client disconnected) |
-| `vertumnus:request_rejected_total` | counter | reason | requests refused before admission |
+| `vertumnus:request_rejected_total` | counter | reason | prompts refused (overloaded, shutting_down, no_worker_fits; a batch counts each prompt), HTTP requests refused (body_too_large, body_timeout) |
 | `vertumnus:prompt_tokens_total` | counter | | tokens |
 | `vertumnus:prefix_cache_queries_total`, `vertumnus:prefix_cache_hits_total` | counter | | tokens |
 | `vertumnus:num_requests_waiting` | gauge | worker_id, cp_degree | requests (queued) |
@@ -109,8 +109,9 @@ class ServingMetrics:
         self.aborted = Counter("vertumnus:request_aborted", "Requests withdrawn before they "
                                "started because their client disconnected.", registry=r)
         self.rejected = Counter(
-            "vertumnus:request_rejected", "Requests refused: overloaded (429), shutting_down "
-            "(503), no_worker_fits (503), body_too_large (413), body_timeout (408).",
+            "vertumnus:request_rejected", "Prompts refused: overloaded (429), shutting_down "
+            "(503 at admission or at the shutdown deadline), no_worker_fits (503); HTTP "
+            "requests refused: body_too_large (413), body_timeout (408).",
             labelnames=["reason"], registry=r)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
@@ -128,8 +129,9 @@ class ServingMetrics:
         if record.aborted:
             self.aborted.inc()
             return
-        if not record.ok and record.worker_id is None:
-            return  # no worker fits: the API counts it as rejected (no_worker_fits)
+        if not record.ok and record.worker_id is None:  # valid, no worker of the pool fits
+            self.rejected.labels("no_worker_fits").inc()
+            return
         if not record.ok:
             self.failure.inc()
             return

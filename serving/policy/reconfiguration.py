@@ -136,6 +136,29 @@ class Reconfigurations:
             raise ValueError("new workers must keep the old KV blocks per device")
         return olds
 
+    def admit(self, kind: str, old_ids: Sequence[int], new_specs: Sequence[WorkerSpec],
+              workers: Mapping[int, WorkerState], waiting: Sequence[Request]) -> list[WorkerState]:
+        """`check` then `refuse_stranding`; returns the old workers.
+
+        A refused change burns no worker ids: when its new ids are the latest `new_worker_ids`
+        handed out and none is in use, they are handed out again next time.
+
+        Raises:
+          ValueError / StrandedRequests: as `check` / `refuse_stranding` (nothing changed).
+        """
+        try:
+            olds = self.check(kind, old_ids, new_specs, workers)
+            self.refuse_stranding(old_ids, new_specs, workers, waiting)
+        except ValueError:
+            ids = sorted(s.worker_id for s in new_specs)
+            used = set(workers) | {s.worker_id for r in self.in_progress.values()
+                                   for s in r.new_specs}
+            if ids == list(range(self._next_worker_id - len(ids), self._next_worker_id)) \
+                    and not used & set(ids):
+                self._next_worker_id -= len(ids)
+            raise
+        return olds
+
     def refuse_stranding(self, old_ids: Sequence[int], new_specs: Sequence[WorkerSpec],
                          workers: Mapping[int, WorkerState], waiting: Sequence[Request]) -> None:
         """Refuses a change after which no worker could hold some waiting request.

@@ -270,9 +270,8 @@ class Scheduler:
           StrandedRequests: (a ValueError; nothing changed) requests queued or waiting that
             no worker of the pool after the change could hold (`Reconfigurations.stranded`).
         """
-        olds = self.reconfig.check(kind, old_ids, new_specs, self.workers)
         waiting = [r for w in self.workers.values() for r in w.queue] + list(self._pending)
-        self.reconfig.refuse_stranding(old_ids, new_specs, self.workers, waiting)
+        olds = self.reconfig.admit(kind, old_ids, new_specs, self.workers, waiting)
         rec = self.reconfig.open(kind, old_ids, new_specs, now)
         requeue = []
         for w in olds:

@@ -103,6 +103,18 @@ def test_chunked_body_over_the_limit_is_413_before_it_is_read(tmp_path):
         assert proc.poll() is None
 
 
+def test_a_client_sending_its_whole_oversized_body_first_still_reads_the_413(tmp_path):
+    with fake_server(tmp_path) as (port, _, _):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % (20 << 20))
+            for _ in range(20):  # 20 MiB over about 3 s, longer than the 2 s quiet linger
+                s.sendall(b" " * (1 << 20))
+                time.sleep(0.15)
+            status, headers, body = _read_response(s)
+        assert status == 413 and json.loads(body)["error"]["param"] == "body"
+
+
 def test_a_body_that_stops_arriving_gets_408(tmp_path):
     with fake_server(tmp_path, "--body_timeout_s=0.5") as (port, _, _):
         socks = []
@@ -171,6 +183,10 @@ def test_second_sigint_answers_in_flight_requests_with_json_503(tmp_path):
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         for i, s in enumerate(socks):
             s.sendall(_request("/v1/completions", json.dumps({"prompt": [i + 1]}).encode()))
+        uploading = socket.create_connection(("127.0.0.1", port))  # its body never ends
+        uploading.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100"
+                          b"\r\n\r\n{")
+        socks.append(uploading)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.8)
@@ -273,6 +289,21 @@ def test_keys_from_a_file_or_the_environment(tmp_path, monkeypatch):
         api_key(None, str(tmp_path / "empty"), "X")
     with pytest.raises(absl_app.UsageError, match="cannot read"):
         api_key(None, str(tmp_path / "missing"), "X")
+    (tmp_path / "bom").write_bytes("\ufeffk3y\n".encode())
+    assert api_key(None, str(tmp_path / "bom"), "X") == "k3y"
+    (tmp_path / "long").write_text("k" * 5000)
+    with pytest.raises(absl_app.UsageError, match="over 4096"):
+        api_key(None, str(tmp_path / "long"), "X")
+    with pytest.raises(absl_app.UsageError, match="printable ASCII"):
+        api_key("clé", None, "X")
+
+
+def test_a_form_body_says_it_must_be_json():
+    c, _ = make_client()
+    with c:
+        r = c.post("/v1/completions", data={"prompt": "hi"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "body" and "JSON object" in err["message"]
 
 
 def test_nan_shutdown_timeout_is_refused():
@@ -297,3 +328,37 @@ def test_headers_that_never_end_close_the_connection(tmp_path):
             assert s.recv(1) == b""  # closed by the server
             s.close()
         busy.close()
+
+
+def test_a_body_of_mixed_prompt_items_is_refused_at_its_first_bad_item():
+    # a pydantic union recorded an error per item and branch: minutes, gigabytes for 15 MiB
+    c, engine = make_client(max_in_flight=8)
+    mixed = json.dumps({"prompt": ["a"] * 200_000 + [1]}).encode()
+    batch = json.dumps({"prompt": [[1]] * 300_000}).encode()
+    ids = json.dumps({"prompt": [1] * 2000 + [300] + [1.5]}).encode()
+    with c:
+        r = c.post("/v1/completions", content=mixed, headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt"
+        assert err["message"] == "prompt: prompt[200000] must be a string (a batch of texts) " \
+                                 "as prompt[0] is, got int"
+        r = c.post("/v1/completions", content=batch, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "batch of 300000 prompts" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", content=ids, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "prompt[2001] must be a token id" in r.text
+        r = c.post("/v1/completions", json={"prompt": [1] * 5000 + [300]})  # length first
+        assert r.status_code == 400 and "has 5001 tokens" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": [[1, 2], [3, "x"]]})
+        assert r.status_code == 400 and "prompt[1][1] must be a token id" in r.text
+        assert engine.scheduler.num_submitted == 0
+
+
+def test_the_prompt_limit_is_what_merges_can_reach():
+    # CP-8 is allowed but unreachable from CP-1 workers without CP-2 and CP-4: 400, not 503
+    c, engine = make_client(composition=(1,) * 8, degrees=(1, 8), max_model_len=4096)
+    with c:
+        assert engine.max_prompt_len == 1024  # one device: 64 blocks x 16 tokens
+        r = c.post("/v1/completions", json={"prompt": [1] * 2000})
+        assert r.status_code == 400 and "more than the maximum of 1024" in r.text
+    c, engine = make_client(composition=(1,) * 8, degrees=(1, 2, 4, 8), max_model_len=4096)
+    assert engine.max_prompt_len == 4096

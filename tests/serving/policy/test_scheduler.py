@@ -244,3 +244,4 @@ def test_a_change_that_strands_waiting_requests_is_refused_whole():
     # nothing changed
     assert s.workers[1].status is WorkerStatus.ACTIVE and list(s.reconfig.in_progress) == [rec.epoch]
     assert [r.request_id for r in s.workers[1].queue] == queued and not done
+    assert s.new_worker_ids(2) == (4, 5)  # the refused split's ids are handed out again
