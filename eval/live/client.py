@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import signal
 import subprocess
@@ -213,15 +214,18 @@ def compiled_executables(url: str, headers: dict | None = None) -> int:
 
 @contextlib.contextmanager
 def launched_server(server_flags: str, url: str, headers: dict | None = None,
-                    timeout: float = 300.0, log: IO | None = None, new_session: bool = False):
+                    timeout: float = 300.0, log: IO | None = None, new_session: bool = False,
+                    env: dict[str, str] | None = None):
     """Runs `python -m serving.main <server_flags>` for the duration of the block; yields the
     `subprocess.Popen` (its `returncode` is the exit status after the block). With `log` (a
     file open for writing) the server's stdout and stderr go there; with `new_session` it runs
     in its own session, so a Ctrl-C at the terminal reaches only the caller, which stops the
-    server (SIGTERM) when it leaves the block."""
+    server (SIGTERM) when it leaves the block. `env` adds environment variables (e.g. a key
+    as `VERTUMNUS_ADMIN_API_KEY`, which `ps` does not show as it shows flags)."""
     cmd = [sys.executable, "-m", "serving.main", *shlex.split(server_flags)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
-                            start_new_session=new_session)
+                            start_new_session=new_session,
+                            env={**os.environ, **env} if env else None)
     try:
         wait_healthy(url, timeout, proc, headers)
         yield proc

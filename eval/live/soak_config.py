@@ -24,7 +24,10 @@ class SoakConfig:
       rate: cap on the requests sent per second, all senders together (0 = no cap).
       repeated_prompts: fixed prompts sent again and again (first-token check), >= 1.
       repeat_fraction: share of the requests that send a repeated prompt, in [0, 1].
-      prompt_lengths: prompt lengths in tokens (each prompt draws one).
+      prompt_lengths: `(min, max)` prompt lengths in tokens: each prompt's length is drawn
+        uniformly from `[min, max]` (so two requests whose answers were swapped differ in
+        `usage.prompt_tokens` with probability `1 - 1/(max - min + 1)`); the server pads
+        uncached tokens to powers of two from 16, so the default 12..40 compiles 3 lengths.
       degrees: CP degrees a split or merge may create (the server's `--degrees`).
       walk: how operations follow each other (`eval.live.soak_ops.next_kind`): "sweep"
         (split down to the smallest degree, merge up to the largest, again), "alternate" or
@@ -35,6 +38,14 @@ class SoakConfig:
         (the run stops).
       rss_interval_s: seconds between RSS samples of the server process.
       progress_interval_s: seconds between progress lines (0 = none).
+      max_refused_fraction: largest share of the requests sent that may be refused (429, 503)
+        without failing the run, in [0, 1]. With `concurrency` below the server's
+        `--max_in_flight` and no shutdown, no refusal is expected: the default 0.001 tolerates
+        one in a thousand.
+      disconnect_fraction: share of the requests that are abandoned (`eval.live.soak_server.
+        abandon`): sent, then their connection closed `disconnect_after_s` seconds after the
+        server began reading them, in [0, 1].
+      disconnect_after_s: seconds from the server's `100 Continue` to the close, >= 0.
       seed: seed of the prompts and of the choice of operations.
       server_pid: process whose RSS is sampled (None: not sampled).
     """
@@ -48,7 +59,7 @@ class SoakConfig:
     rate: float = 0.0
     repeated_prompts: int = 8
     repeat_fraction: float = 0.5
-    prompt_lengths: tuple[int, ...] = (12, 40)
+    prompt_lengths: tuple[int, int] = (12, 40)
     degrees: tuple[int, ...] = (1, 2, 4, 8)
     walk: str = "sweep"
     max_duration_s: float = 3600.0
@@ -56,6 +67,9 @@ class SoakConfig:
     reconfig_timeout_s: float = 300.0
     rss_interval_s: float = 5.0
     progress_interval_s: float = 30.0
+    max_refused_fraction: float = 0.001
+    disconnect_fraction: float = 0.02
+    disconnect_after_s: float = 0.005
     seed: int = 0
     server_pid: int | None = None
 
@@ -65,12 +79,16 @@ class SoakConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.walk not in ("sweep", "alternate", "random"):  # soak_ops.WALKS
             raise ValueError(f"walk must be sweep, alternate or random, got {self.walk!r}")
-        if not 0.0 <= self.repeat_fraction <= 1.0:
-            raise ValueError(f"repeat_fraction must be in [0, 1], got {self.repeat_fraction}")
-        if not self.prompt_lengths or min(self.prompt_lengths) < 1:
-            raise ValueError(f"prompt_lengths must be >= 1 tokens, got {self.prompt_lengths}")
+        for name in ("repeat_fraction", "max_refused_fraction", "disconnect_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        lengths = self.prompt_lengths
+        if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
+            raise ValueError(f"prompt_lengths must be (min, max) with 1 <= min <= max tokens, "
+                             f"got {lengths}")
         for name in ("interval_s", "rate", "max_duration_s", "request_timeout_s",
-                     "reconfig_timeout_s", "rss_interval_s", "progress_interval_s"):
+                     "reconfig_timeout_s", "rss_interval_s", "progress_interval_s",
+                     "disconnect_after_s"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 seconds, got {v}")
@@ -81,23 +99,30 @@ class SoakConfig:
 
 class PromptSet:
     """The prompts of a run: `repeated` fixed prompts and, for the other requests, unique
-    random ones; deterministic in `seed` and the request number.
+    random ones; which requests are abandoned; all deterministic in `seed` and the request
+    number.
 
     Args:
       vocab_size: token ids are drawn from `[0, vocab_size)`.
-      lengths: prompt lengths (tokens); repeated prompt i has `lengths[i % len(lengths)]`.
+      lengths: `(min, max)` prompt lengths (tokens); every prompt's length, repeated or unique,
+        is drawn uniformly from `[min, max]`.
       repeated: number of repeated prompts, >= 1.
       repeat_fraction: probability that a request sends a repeated prompt.
       seed: the seed.
+      disconnect_fraction: probability that a request is abandoned (`abandons`).
     """
 
     def __init__(self, vocab_size: int, lengths: Sequence[int], repeated: int,
-                 repeat_fraction: float, seed: int) -> None:
-        self.vocab_size, self.lengths = vocab_size, tuple(lengths)
+                 repeat_fraction: float, seed: int, disconnect_fraction: float = 0.0) -> None:
+        self.vocab_size, self.lengths = vocab_size, (int(min(lengths)), int(max(lengths)))
         self.repeat_fraction, self.seed = repeat_fraction, seed
+        self.disconnect_fraction = disconnect_fraction
         rng = np.random.default_rng([seed, 0])
-        self.repeated = [[int(t) for t in rng.integers(0, vocab_size, self.lengths[i % len(
-            self.lengths)])] for i in range(repeated)]
+        self.repeated = [self._tokens(rng) for _ in range(repeated)]
+
+    def _tokens(self, rng: np.random.Generator) -> list[int]:
+        length = int(rng.integers(self.lengths[0], self.lengths[1] + 1))
+        return [int(t) for t in rng.integers(0, self.vocab_size, length)]
 
     def pick(self, n: int) -> tuple[int | None, list[int]]:
         """Request number `n`'s prompt: `(repeated prompt number, tokens)`, or `(None, tokens)`
@@ -106,8 +131,11 @@ class PromptSet:
         if rng.random() < self.repeat_fraction:
             i = int(rng.integers(len(self.repeated)))
             return i, self.repeated[i]
-        length = self.lengths[int(rng.integers(len(self.lengths)))]
-        return None, [int(t) for t in rng.integers(0, self.vocab_size, length)]
+        return None, self._tokens(rng)
+
+    def abandons(self, n: int) -> bool:
+        """Whether request number `n` is abandoned (sent, then its connection closed)."""
+        return bool(np.random.default_rng([self.seed, 2, n]).random() < self.disconnect_fraction)
 
 
 def rss_mib(pid: int | None) -> float | None:

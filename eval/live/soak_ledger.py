@@ -1,10 +1,13 @@
 """Client-side accounting of a soak run (`eval.live.soak`): pure logic, no I/O.
 
 - `Ledger`: every request sent gets exactly one final outcome, per HTTP exchange: *answered*
-  (200 with a valid body), *refused* with a documented status (`REFUSAL_CODES`), or *lost*
-  (anything else: a transport error or timeout, an undocumented status such as 500, an invalid
-  body, or no outcome at all). A request with two outcomes, or a completion id (`cmpl-...`)
-  answered to two requests, is *duplicated*.
+  (200 with a valid body), *refused* with a documented status (`REFUSAL_CODES`), *abandoned*
+  (the client closed the connection on purpose once the server was reading it, see
+  `eval.live.soak_server.abandon`), or *lost* (anything else: a transport error or timeout, an
+  undocumented status such as 500 or 400, an invalid body, or no outcome at all). A request
+  with two outcomes, or a completion id (`cmpl-...`) answered to two requests, is
+  *duplicated* (the client-side check; `eval.live.soak_server.check_counts` is the server-side
+  one, which also catches a request the server ran twice).
 - `classify_completion`: an HTTP answer of `POST /v1/completions` as one outcome.
 - `FirstTokens`: the greedy first token of each repeated prompt must be the same whatever
   worker and CP degree served it.
@@ -20,8 +23,11 @@ from collections.abc import Sequence
 import numpy as np
 
 # Documented refusals of `POST /v1/completions` (serving/api.py): 429 overloaded (with
-# Retry-After), 503 shutting down. Every other non-200 status of a valid request is a loss.
+# Retry-After); 503 shutting down, or no worker of the current composition can hold the prompt
+# (its message says "cannot be held by any worker"; `refusal_reason`). Every other non-200
+# status of a valid request is a loss.
 REFUSAL_CODES = {429: "overloaded", 503: "shutting down"}
+NO_WORKER_FITS = "cannot be held by any worker"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +35,9 @@ class Outcome:
     """The final outcome of one request.
 
     Attributes:
-      kind: "answered", "refused" or "lost".
-      status: the HTTP status (None when no response came).
-      detail: why (lost / refused), or the completion id (answered).
+      kind: "answered", "refused", "abandoned" or "lost".
+      status: the HTTP status (None when no response came; 100 for an abandoned request).
+      detail: why (lost / refused / abandoned), or the completion id (answered).
     """
 
     kind: str
@@ -45,20 +51,29 @@ def classify_completion(status: int, body: object, prompt_len: int) -> Outcome:
     A 200 is *answered* only with a valid body: a `cmpl-` id, an int first token in
     `choices[0].token_ids[0]`, a worker id and CP degree, and `usage.prompt_tokens ==
     prompt_len` (an answer that belongs to another request is caught when lengths differ);
-    otherwise it is *lost* ("invalid body: ..."). `REFUSAL_CODES` are *refused*; every other
-    status is *lost* ("HTTP <status>: <message>").
+    otherwise it is *lost* ("invalid body: ..."). `REFUSAL_CODES` are *refused*, with the
+    reason `refusal_reason` reads from the body; every other status is *lost* ("HTTP <status>:
+    <message>").
     """
     if status == 200:
         problem = _body_problem(body, prompt_len)
         if problem:
             return Outcome("lost", status, f"invalid body: {problem}")
         return Outcome("answered", status, body["id"])
-    if status in REFUSAL_CODES:
-        return Outcome("refused", status, REFUSAL_CODES[status])
     msg = ""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         msg = str(body["error"].get("message", ""))[:200]
+    if status in REFUSAL_CODES:
+        return Outcome("refused", status, refusal_reason(status, msg))
     return Outcome("lost", status, f"HTTP {status}: {msg}" if msg else f"HTTP {status}")
+
+
+def refusal_reason(status: int, message: str) -> str:
+    """The reason of a documented refusal: "overloaded" (429); for a 503 "no worker fits" when
+    its error message says the prompt `cannot be held by any worker`, else "shutting down"."""
+    if status == 503 and NO_WORKER_FITS in message:
+        return "no worker fits"
+    return REFUSAL_CODES[status]
 
 
 def _body_problem(body: object, prompt_len: int) -> str:
@@ -86,8 +101,8 @@ def _body_problem(body: object, prompt_len: int) -> str:
 class Ledger:
     """Outcomes of every request of a run, by the client's unique request id.
 
-    `sent` opens a request, then exactly one of `answered` / `refused` / `lost` (or `record`)
-    must close it; `summary` counts. Counts are kept as outcomes arrive (a run of 10^6
+    `sent` opens a request, then exactly one of `answered` / `refused` / `lost` / `abandoned`
+    (or `record`) must close it; `summary` counts. Counts are kept as outcomes arrive (a run of 10^6
     requests keeps one small entry per request and per completion id; `summary` is cheap).
     Times are not kept here (the caller measures latency).
 
@@ -99,8 +114,9 @@ class Ledger:
         self._outcomes: dict[str, int] = {}  # request id -> outcomes recorded
         self._owner: dict[str, str] = {}  # completion id -> the request it answered first
         self._examples = examples
-        self._pending = self._answered = 0
+        self._pending = self._answered = self._abandoned = 0
         self._refused: collections.Counter = collections.Counter()  # status -> requests
+        self._refused_why: collections.Counter = collections.Counter()  # reason -> requests
         self._lost: collections.Counter = collections.Counter()  # reason -> requests
         self._duplicated = 0
         self._lost_examples: list[dict] = []
@@ -133,6 +149,9 @@ class Ledger:
                 self._answered += 1
             elif outcome.kind == "refused":
                 self._refused[outcome.status] += 1
+                self._refused_why[outcome.detail] += 1
+            elif outcome.kind == "abandoned":
+                self._abandoned += 1
             else:
                 self._lost[outcome.detail.split(":")[0]] += 1
                 self._example(self._lost_examples, {"request": rid,
@@ -156,9 +175,13 @@ class Ledger:
         """`record`s a 200 with a valid body whose id is `completion_id`."""
         self.record(rid, Outcome("answered", 200, completion_id))
 
-    def refused(self, rid: str, status: int) -> None:
-        """`record`s a documented refusal (`REFUSAL_CODES`)."""
-        self.record(rid, Outcome("refused", status, REFUSAL_CODES.get(status, "")))
+    def refused(self, rid: str, status: int, message: str = "") -> None:
+        """`record`s a documented refusal (`REFUSAL_CODES`) whose error message is `message`."""
+        self.record(rid, Outcome("refused", status, refusal_reason(status, message)))
+
+    def abandoned(self, rid: str) -> None:
+        """`record`s a request the client abandoned on purpose once the server read it."""
+        self.record(rid, Outcome("abandoned", 100, "closed after 100 Continue"))
 
     def lost(self, rid: str, reason: str, status: int | None = None) -> None:
         """`record`s a request that got no documented answer (transport error, 5xx, ...)."""
@@ -178,7 +201,9 @@ class Ledger:
         already answered another request.
 
         Returns:
-          `sent`, `answered`, `refused` (total), `refused_by_code` ({status: count}), `lost`,
+          `sent`, `answered`, `refused` (total), `refused_by_code` ({status: count}),
+          `refused_reasons` ({"overloaded" / "shutting down" / "no worker fits": count}),
+          `abandoned`, `lost`,
           `lost_reasons` ({reason: count}, the reason without its message after ':' for HTTP
           and transport errors), `duplicated`, `in_flight` (0 when `final`), and examples in
           `lost_examples` / `duplicated_examples` (request id, what happened).
@@ -193,6 +218,8 @@ class Ledger:
         return {"sent": len(self._outcomes), "answered": self._answered,
                 "refused": sum(self._refused.values()),
                 "refused_by_code": {str(k): v for k, v in sorted(self._refused.items())},
+                "refused_reasons": dict(self._refused_why.most_common()),
+                "abandoned": self._abandoned,
                 "lost": sum(lost.values()), "lost_reasons": dict(lost.most_common()),
                 "duplicated": self._duplicated, "in_flight": 0 if final else self._pending,
                 "lost_examples": examples, "duplicated_examples": list(self._dup_examples)}

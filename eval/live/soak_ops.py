@@ -13,9 +13,11 @@ from collections.abc import Iterable, Sequence
 
 from serving.policy.worker import WorkerSpec, are_buddies
 
-# Documented refusals of the admin split / merge: 400 not a legal change now (e.g. a worker is
-# draining), 409 conflict (a split refused because queued requests need the large worker).
-OPERATION_REFUSAL_CODES = {400: "not a legal change now", 409: "conflict"}
+# The documented refusal of the admin split / merge (serving/api.py): 409 conflict, the change
+# would strand waiting requests that only the workers it removes can hold. The driver asks only
+# for legal changes (`choose_operation`, on a pool with nothing in progress), so a 400 ("not a
+# legal change") is a failure of the server, not a refusal.
+OPERATION_REFUSAL_CODES = {409: "conflict"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,18 @@
 """The result of a soak run (`eval.live.soak`): assembled as a JSON-able dict, judged, printed.
 
 `assemble` gathers what the run's coroutines counted; `failures` names what makes the run fail
-(a lost, duplicated or inconsistent answer, a stuck or failed reconfiguration, an unclean server
-exit); `table` is the markdown table `python -m eval.soak` prints; `server_log_errors` counts
-the error lines of the launched server's log.
+(a lost, duplicated or inconsistent answer, too many refusals or no answer at all, server-side
+counters that disagree with the client, a stuck or failed reconfiguration, operations that
+stopped early, error lines in the server's log, an unclean server exit); `verdict` turns that
+and the stop reason into the exit status; `table` is the markdown table `python -m eval.soak`
+prints; `server_log_errors` counts the error lines of the launched server's log.
+
+What no check covers: the first token of a unique prompt (there is no reference for it); an
+answer swapped between two requests of the same prompt length (`usage.prompt_tokens` is the
+only echo of the prompt; lengths are drawn from `prompt_lengths`, so this goes unseen with
+probability 1 / (max - min + 1) per swap, unless a repeated prompt's first token differs); the
+`kv_transfer_params` of an answer (no decode side reads them); refusals of abandoned requests
+(counted server-side only, in `server_counts.rejected`).
 """
 
 from __future__ import annotations
@@ -14,10 +23,13 @@ import re
 from eval.live.soak_ledger import distribution
 
 _ERROR_LINE = re.compile(r"^(E\d{4} |F\d{4} |ERROR|CRITICAL|Traceback)")
+# `verdict`'s exit statuses of `python -m eval.soak`
+EXIT_STATUS = {"passed": 0, "failed": 1, "incomplete": 2, "interrupted": 130}
+_ENDED = ("done", "deadline", "interrupted")  # stop reasons that are not failures themselves
 
 
 def assemble(run, reason: str, start_state: dict | None, end_state: dict | None,
-             drain_s: float) -> dict:
+             drain_s: float, server_counts: dict | None = None) -> dict:
     """The result of a finished run.
 
     Args:
@@ -26,6 +38,7 @@ def assemble(run, reason: str, start_state: dict | None, end_state: dict | None,
       start_state, end_state: `GET /v1/workers` before the stream and after it (None when the
         server did not answer).
       drain_s: seconds the requests in flight at the stop took to finish.
+      server_counts: `eval.live.soak_server.check_counts` (None: not checked, a failure).
 
     Returns:
       A JSON-able dict: `config` (keys left out), `stop_reason`, `wall_s`, `final_drain_s`,
@@ -34,7 +47,8 @@ def assemble(run, reason: str, start_state: dict | None, end_state: dict | None,
       and `time_s`: server-side total / drain / re-carve and client-observed distributions,
       seconds), `rss_mib` (start, after the first tenth of the operations, end, max,
       samples as [seconds, MiB]), compositions, `poll_errors`, and `operations` (one record
-      per finished split or merge, the server's log entry plus `client_s` and `at_s`).
+      per finished split or merge, the server's log entry plus `client_s` and `at_s`),
+      `server_counts`.
     """
     cfg, ops = run.cfg, run.ops
     done = [o for o in ops if o.get("drained") is not None]
@@ -60,13 +74,14 @@ def assemble(run, reason: str, start_state: dict | None, end_state: dict | None,
                 "server_drain": distribution([o["drained"] - o["started"] for o in done]),
                 "server_recarve": distribution([o["finished"] - o["drained"] for o in done]),
                 "client": distribution([o["client_s"] for o in ops])}},
-        "rss_mib": {"start": rss[0] if rss else None, "after_warmup": run.rss_warm,
+        "rss_mib": {"start": rss[0] if rss else None, "after_10pct_operations": run.rss_warm,
                     "end": rss[-1] if rss else None, "max": max(rss, default=None),
                     "samples": run.rss},
         "composition_start": (start_state or {}).get("composition"),
         "composition_end": (end_state or {}).get("composition"),
         "epoch_end": (end_state or {}).get("epoch"),
         "poll_errors": dict(run.poll_errors),
+        "server_counts": server_counts or {"read": False, "problems": ["not checked"]},
         "operations": ops,
     }
 
@@ -83,35 +98,71 @@ def server_log_errors(path: str, examples: int = 10) -> dict:
 
 
 def failures(result: dict) -> list[str]:
-    """Why the run failed (empty: it passed): lost, duplicated or first-token-inconsistent
-    answers, a stuck or failed (undocumented status) reconfiguration, a server that stopped
-    answering, or a launched server that did not exit 0."""
-    req, ops = result["requests"], result["reconfigurations"]
+    """Why the run failed (empty: it passed, or stopped early without a failure): lost,
+    duplicated or first-token-inconsistent answers; refusals (429, 503) above
+    `max_refused_fraction` of the requests sent, or no answer at all; server-side counters that
+    disagree with the client (`server_counts.problems`); a stuck or failed reconfiguration (any
+    answer but 200 and 409); operations that stopped early for any reason but "done",
+    "deadline" and "interrupted"; error lines in the launched server's log (or a log that
+    cannot be read); a launched server that did not exit 0."""
+    req, ops, cfg = result["requests"], result["reconfigurations"], result["config"]
     out = []
     if req["lost"]:
         out.append(f"{req['lost']} requests lost ({req['lost_reasons']})")
     if req["duplicated"]:
         out.append(f"{req['duplicated']} requests duplicated")
+    if req["refused"] > cfg["max_refused_fraction"] * req["sent"]:
+        out.append(f"{req['refused']} of {req['sent']} requests refused "
+                   f"({req.get('refused_reasons', req['refused_by_code'])}), more than "
+                   f"--max_refused_fraction={cfg['max_refused_fraction']:g}")
+    if not req["answered"]:
+        out.append(f"no request was answered ({req['sent']} sent)")
+    out += [f"server counters: {p}" for p in result["server_counts"]["problems"]]
     bad = result["first_token"]["mismatched_prompts"]
     if bad:
         out.append(f"{bad} repeated prompts got different first tokens")
     if ops["stuck"]:
         out.append(f"a {ops['stuck']['kind']} (epoch {ops['stuck']['epoch']}) did not finish "
-                   f"within {result['config']['reconfig_timeout_s']} s")
+                   f"within {cfg['reconfig_timeout_s']} s")
     if ops["errors"]:
-        out.append(f"{len(ops['errors'])} split/merge requests failed with an undocumented "
-                   f"answer (first: {ops['errors'][0]})")
-    if result["stop_reason"] in ("server exited", "server unreachable", "no legal operation"):
+        out.append(f"{len(ops['errors'])} split/merge requests failed with an answer other "
+                   f"than 200 or 409 (first: {ops['errors'][0]})")
+    if result["stop_reason"] not in _ENDED and result["stop_reason"] != "stuck":
         out.append(f"the operations stopped early: {result['stop_reason']}")
+    log = result.get("server_log_errors")
+    if log is not None and log.get("lines") != 0:
+        out.append(f"server log {result.get('server_log')}: " + (
+            "cannot be read" if log.get("lines") is None else
+            f"{log['lines']} error lines (first: {log['examples'][:3]})"))
     if result.get("server_exit_status") not in (None, 0):
         out.append(f"the server exited with status {result['server_exit_status']}")
     return out
+
+
+def verdict(result: dict) -> str:
+    """"failed" (`result["failures"]`, else `failures(result)`, not empty), "interrupted"
+    (a Ctrl-C), "incomplete" (`max_duration_s` passed before `operations` finished) or
+    "passed"; `EXIT_STATUS` maps it to the exit status."""
+    bad = result["failures"] if "failures" in result else failures(result)
+    if bad:
+        return "failed"
+    return {"interrupted": "interrupted", "deadline": "incomplete"}.get(
+        result["stop_reason"], "passed" if result["stop_reason"] == "done" else "failed")
 
 
 def _dist(d: dict, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     if not d["n"]:
         return "-"
     return " / ".join(fmt.format(d[k] * scale) for k in ("mean", "p50", "p90", "max"))
+
+
+def _counts(c: dict) -> str:
+    if not c.get("read"):
+        return "not read (a failure)"
+    ok = "" if c["problems"] else ", consistent"
+    return (f"{c['success']} / {c['aborted']} / {c['rejected']} / {c['failure']} (sum "
+            f"{c['counted']}, expected {c['expected']}{ok}; abandoned: "
+            f"{c['abandoned_completed']} completed unseen, {c['aborted']} withdrawn)")
 
 
 def _mib(v) -> str:
@@ -122,17 +173,21 @@ def table(result: dict) -> str:
     """The markdown table of a result: requests, answers, consistency, reconfigurations and
     their times, server RSS, wall time."""
     req, ops, ft = result["requests"], result["reconfigurations"], result["first_token"]
-    codes = ", ".join(f"{c}: {n}" for c, n in req["refused_by_code"].items())
+    codes = ", ".join(f"{c}: {n}" for c, n in req["refused_reasons"].items())
     op_codes = ", ".join(f"{c}: {n}" for c, n in ops["refused_by_code"].items())
     t, rss = ops["time_s"], result["rss_mib"]
     log = result.get("server_log_errors") or {}
     rows = [
         ("requests sent", f"{req['sent']}"),
         ("answered (200)", f"{req['answered']}"),
-        ("refused (documented code)", f"{req['refused']}" + (f" ({codes})" if codes else "")),
+        ("refused (429, 503; <= max_refused_fraction)",
+         f"{req['refused']}" + (f" ({codes})" if codes else "")),
         ("lost (must be 0)", f"{req['lost']}" + (f" {req['lost_reasons']}" if req["lost"]
                                                  else "")),
+        ("abandoned (closed on purpose)", f"{req['abandoned']}"),
         ("duplicated (must be 0)", f"{req['duplicated']}"),
+        ("server counters: success / aborted / rejected / failure",
+         _counts(result["server_counts"])),
         ("first-token mismatches (must be 0)",
          f"{ft['mismatched_prompts']} of {ft['prompts']} repeated prompts ({ft['observations']} "
          f"answers; {ft['multi_degree_prompts']} prompts served at >= 2 CP degrees, degrees "
@@ -150,7 +205,7 @@ def table(result: dict) -> str:
         ("  of which re-carving (s)", _dist(t["server_recarve"])),
         ("reconfig. time, client-observed (s)", _dist(t["client"])),
         ("server RSS start / after 10 % / end / max (MiB)",
-         " / ".join(_mib(rss[k]) for k in ("start", "after_warmup", "end", "max"))),
+         " / ".join(_mib(rss[k]) for k in ("start", "after_10pct_operations", "end", "max"))),
         ("composition start -> end", f"{result['composition_start']} -> "
                                      f"{result['composition_end']}"),
         ("wall (s)", f"{result['wall_s']:.0f} (stopped: {result['stop_reason']})"),

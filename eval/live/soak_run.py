@@ -14,6 +14,7 @@ import httpx
 from eval.live.soak_config import PromptSet, SoakConfig, rss_mib
 from eval.live.soak_ledger import FirstTokens, Ledger, classify_completion
 from eval.live.soak_ops import OPERATION_REFUSAL_CODES, choose_operation, next_kind
+from eval.live.soak_server import abandon, metric_counts
 
 
 class SoakRun:
@@ -44,6 +45,7 @@ class SoakRun:
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MiB)
         self.rss_warm: float | None = None
         self.composition: list[int] = []
+        self.metrics_start: dict | None = None  # `GET /metrics` counts before the stream
         self.stop = asyncio.Event()
         self.t0 = time.monotonic()
         self._next_send = self.t0
@@ -63,7 +65,9 @@ class SoakRun:
         return mib
 
     async def stream(self) -> None:
-        """One closed-loop sender: a request, its answer, the next one, until `stop`."""
+        """One closed-loop sender: a request, its answer, the next one, until `stop`. The
+        requests `PromptSet.abandons` are sent by `abandon` instead (the sender waits for the
+        close). After a refusal it waits as `Retry-After` says (at most 5 s; 1 s without)."""
         cfg = self.cfg
         while not self.stop.is_set():
             if cfg.rate > 0:
@@ -76,12 +80,19 @@ class SoakRun:
             n = next(self._count)
             rid = f"soak-{self._run_id}-{n}"
             prompt, tokens = self.prompts.pick(n)
+            payload = {"prompt": tokens, "max_tokens": 1, "user": rid}
+            headers = {**self.headers, "X-Request-Id": rid}
             self.ledger.sent(rid)
+            if self.prompts.abandons(n):
+                outcome = await abandon(cfg.url, "/v1/completions", payload, headers,
+                                        cfg.disconnect_after_s, cfg.request_timeout_s)
+                self.ledger.record(rid, outcome)
+                if outcome.kind == "lost":
+                    await asyncio.sleep(0.5)
+                continue
             t = time.monotonic()
             try:
-                resp = await self.client.post(
-                    "/v1/completions", json={"prompt": tokens, "max_tokens": 1, "user": rid},
-                    headers={**self.headers, "X-Request-Id": rid})
+                resp = await self.client.post("/v1/completions", json=payload, headers=headers)
             except Exception as e:  # noqa: BLE001 - transport error, timeout: no answer
                 self.ledger.lost(rid, f"{type(e).__name__}: {e}")
                 await asyncio.sleep(0.5)  # no hot loop against a server that is gone
@@ -97,7 +108,7 @@ class SoakRun:
                 if prompt is not None:
                     self.tokens.record(prompt, body["choices"][0]["token_ids"][0],
                                        body["cp_degree"])
-            elif outcome.status == 429:  # overloaded: wait as told (at most 5 s)
+            elif outcome.kind == "refused":  # wait as told (at most 5 s): no hot loop
                 retry = resp.headers.get("retry-after", "1")
                 await asyncio.sleep(min(5.0, float(retry) if retry.isdigit() else 1.0))
 
@@ -113,23 +124,39 @@ class SoakRun:
             self.poll_errors[type(e).__name__] += 1
             return None
 
+    async def metrics(self) -> dict | None:
+        """`GET /metrics` as `eval.live.soak_server.metric_counts`, or None (counted in
+        `poll_errors`) when it fails."""
+        try:
+            resp = await self.client.get("/metrics", headers=self.headers, timeout=30.0)
+            resp.raise_for_status()
+            return metric_counts(resp.text)
+        except Exception as e:  # noqa: BLE001 - counted; the caller reports it
+            self.poll_errors[f"metrics {type(e).__name__}"] += 1
+            return None
+
     async def drive(self) -> str:
         """Starts splits and merges until `operations` finished; returns why it stopped:
-        "done", "deadline", "stuck" (one did not finish in time), "server exited" (the
-        process `server_pid` is gone), "server unreachable" or "no legal operation"."""
+        "done", "deadline" (`max_duration_s` passed first), "stuck" (one did not finish in
+        time), "server exited" (the process `server_pid` is gone), or, when no operation
+        finished for `reconfig_timeout_s` seconds, "server unreachable" (`GET /v1/workers`
+        failed meanwhile), "operations failed" (answered neither 200 nor 409), "operations
+        refused" (409) or "no legal operation"."""
         cfg, last, refused = self.cfg, None, False
         rng = random.Random(cfg.seed)
         deadline = self.t0 + cfg.max_duration_s
-        waiting_since = time.monotonic()  # since the last operation was started
+        progress = (time.monotonic(), 0, 0, 0)  # last finish: time, poll errors, refused, errors
         while len(self.ops) < cfg.operations:
             start = time.monotonic()
             if start >= deadline:
                 return "deadline"
             if cfg.server_pid is not None and rss_mib(cfg.server_pid) is None:
                 return "server exited"
-            if start - waiting_since > cfg.reconfig_timeout_s:
-                return "server unreachable" if sum(self.poll_errors.values()) else \
-                    "no legal operation"
+            if start - progress[0] > cfg.reconfig_timeout_s:  # refusals do not reset it
+                now = self._counts()
+                return ("server unreachable" if now[0] > progress[1] else
+                        "operations failed" if now[2] > progress[3] else
+                        "operations refused" if now[1] > progress[2] else "no legal operation")
             state = await self.workers()
             op = None
             if state is not None:
@@ -140,7 +167,6 @@ class SoakRun:
             if op is None:
                 await asyncio.sleep(0.2)
                 continue
-            waiting_since = start
             last, refused = op.kind, False
             path, body = op.path_and_body()
             sent = time.monotonic()
@@ -167,8 +193,15 @@ class SoakRun:
                     return "server exited"
                 self.stuck = {**what, "epoch": answer["epoch"]}
                 return "stuck"
+            else:
+                progress = (time.monotonic(), *self._counts())
             await asyncio.sleep(max(0.0, start + cfg.interval_s - time.monotonic()))
         return "done"
+
+    def _counts(self) -> tuple[int, int, int]:
+        """(poll errors, operations refused, operation errors) so far."""
+        return (sum(self.poll_errors.values()), sum(self.op_refused.values()),
+                len(self.op_errors))
 
     async def _finished(self, epoch: int, sent: float) -> bool:
         """Polls until `epoch` is a finished reconfiguration and records it; False when it did
@@ -207,6 +240,6 @@ class SoakRun:
             print(f"[{self.elapsed():6.0f} s] operations {len(self.ops)}/{self.cfg.operations} "
                   f"(refused {sum(self.op_refused.values())}), composition {self.composition}; "
                   f"requests sent {s['sent']}, answered {s['answered']}, refused "
-                  f"{s['refused']}, lost {s['lost']}, duplicated {s['duplicated']}, in flight "
+                  f"{s['refused']}, abandoned {s['abandoned']}, lost {s['lost']}, duplicated {s['duplicated']}, in flight "
                   f"{s['in_flight']}; server RSS "
                   f"{rss}", flush=True)
