@@ -38,7 +38,8 @@ from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import tool_agent_workload, workload_stats
 from serving.policy.specs import GPUS, MODELS
 
-_TRACE = flags.DEFINE_string("trace", "", "Trace file; empty = the built-in Tool-Agent workload.")
+_TRACE = flags.DEFINE_string("trace", "", "Trace file, or a folder of agent-session files "
+                             "(replayed closed-loop); empty = the built-in Tool-Agent workload.")
 _FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
                             "Trace format; auto = a folder is agent sessions, else from the file "
                             "suffix and CSV header.")

@@ -47,7 +47,7 @@ from serving.policy.controller import (ControllerConfig, ReconfigurationControll
                                        initial_composition)
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
-from serving.policy.plugins import call_plugin, construct_router, import_spec
+from serving.policy.plugins import call_plugin, construct_router, guard_system, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.router import LeastWorkRouter, Router
@@ -334,12 +334,14 @@ register_system("mooncake-cp4", _homogeneous4("mooncake-cp4", lambda p: Mooncake
 
 
 def _from_spec(spec: str, pool: PoolConfig) -> System:
-    """Builds a system named `module:attribute` (see `build_system`)."""
+    """Builds a system named `module:attribute` (see `build_system`), the plug-in's code that a
+    run calls guarded (`serving.policy.plugins.guard_system`)."""
     obj = import_spec(spec, "system")
     attr = spec.partition(":")[2]
     if inspect.isclass(obj) and callable(getattr(obj, "choose", None)):
         router = construct_router(spec, "system", obj)
-        return System(spec, pool.workers(mixed_degrees(pool.num_gpus, pool.degrees)), router)
+        workers = pool.workers(mixed_degrees(pool.num_gpus, pool.degrees))
+        return guard_system(spec, "system", System(spec, workers, router))
     if callable(getattr(obj, "choose", None)):
         raise ValueError(f"system {spec!r}: {attr!r} is a router instance; name its class (a "
                          f"fresh router per run) or a factory(pool) -> System")
@@ -350,7 +352,7 @@ def _from_spec(spec: str, pool: PoolConfig) -> System:
     if not isinstance(system, System):
         raise ValueError(f"system {spec!r}: factory {attr!r} returned "
                          f"{type(system).__name__}, not eval.systems.System")
-    return system
+    return guard_system(spec, "system", system)
 
 
 def build_system(name: str, pool: PoolConfig) -> System:
@@ -362,12 +364,14 @@ def build_system(name: str, pool: PoolConfig) -> System:
       * a router class (it has a `choose` method): built with no arguments and run on the mixed
         composition `mixed_degrees(pool.num_gpus, pool.degrees)`, named `name`; or
       * a system factory: called as `factory(pool)`, it must return a `System`.
+    A plug-in's router, hooks and setup raise `PluginError`, naming the spec, when they fail
+    during a run (`serving.policy.plugins.guard_system`).
 
     Raises:
       ValueError: an unknown name (the message lists the known ones), a plug-in that cannot be
-        imported, is neither form or raises anything but a ValueError while imported, built or
-        called (the message names the spec and the exception's type, message and line:
-        `serving.policy.plugins.call_plugin`), or a composition that does not fit the pool.
+        imported, is neither form or raises anything but a plain ValueError while imported,
+        built or called (a `PluginError` naming the spec and the exception's type, message and
+        line: `serving.policy.plugins.call_plugin`), or a composition that does not fit.
     """
     if name in _REGISTRY:
         return _REGISTRY[name](pool)

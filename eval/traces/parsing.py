@@ -12,7 +12,8 @@ Limits, so that no input can hang a load or exhaust its memory or stack:
   (one JSON document) may be at most `MAX_LINE_BYTES` long;
 - JSON (a JSONL line, a session file) may nest arrays and objects at most `MAX_JSON_DEPTH`
   levels deep; deeper is a row error (field "json"), checked before parsing, so Python's
-  recursion limit is never reached.
+  recursion limit is never reached (the check reads a line in chunks: its memory is a few MiB,
+  however long the line; `eval.traces.json_depth`).
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ import json
 import math
 import os
 import pathlib
-import re
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import grain
-import numpy as np
 
+from eval.traces.json_depth import first_too_deep_line
 from serving.policy.request import Request
 
 MAX_TOKENS = 2**31 - 1     # largest token count a trace row may give
@@ -199,22 +199,11 @@ def _read_document(path: pathlib.Path, must: str) -> str:
     return data.decode("utf-8-sig")
 
 
-# A JSON string, or an unterminated one to the end (so the scan stays linear on any input).
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
-
-
 def _json_too_deep(text: str) -> int | None:
     """The 1-based line of `text` where its JSON arrays and objects first nest deeper than
-    `MAX_JSON_DEPTH` (brackets inside strings not counted), or None."""
-    limit = MAX_JSON_DEPTH
-    if text.count("[") + text.count("{") <= limit:  # the common case, at C speed
-        return None
-    bare = _JSON_STRING.sub('""', text).encode("utf-8", "surrogatepass")  # newlines kept
-    a = np.frombuffer(bare, np.uint8)
-    opens = (a == ord("[")) | (a == ord("{"))
-    at = np.flatnonzero(opens | (a == ord("]")) | (a == ord("}")))  # the brackets' offsets
-    deep = np.flatnonzero(np.cumsum(np.where(opens[at], 1, -1)) > limit)
-    return bare.count(b"\n", 0, int(at[deep[0]])) + 1 if len(deep) else None
+    `MAX_JSON_DEPTH` (brackets inside strings not counted), or None; the scan's memory is
+    bounded whatever the length of `text` (`eval.traces.json_depth`)."""
+    return first_too_deep_line(text, MAX_JSON_DEPTH)
 
 
 def _too_deep() -> str:

@@ -9,11 +9,14 @@ attributes are deliberately wrong plug-ins for the error tests.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Sequence
 
 from eval.systems import PoolConfig, System
 from serving.baselines.common import argmin_rotating
 from serving.policy.request import Request
+from serving.policy.router import LeastWorkRouter
 from serving.policy.worker import WorkerState, homogeneous_degrees
 
 
@@ -66,3 +69,77 @@ def crashing_factory(pool: PoolConfig) -> System:
 def no_arg_factory() -> System:
     """Not a valid plug-in: a factory must take the pool."""
     raise AssertionError("never called")
+
+
+# Plug-ins that end in something other than an Exception, or fail only while the replay runs.
+class Boom(BaseException):
+    """Not an Exception: a plug-in's own BaseException subclass."""
+
+
+class BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception fails")
+
+
+def exiting_factory(pool: PoolConfig) -> System:
+    sys.exit(0)
+
+
+def base_exception_factory(pool: PoolConfig) -> System:
+    raise Boom("custom BaseException")
+
+
+def json_factory(pool: PoolConfig) -> System:
+    return json.loads("{not json")  # a ValueError subclass from a plug-in bug: wrapped
+
+
+def bad_str_factory(pool: PoolConfig) -> System:
+    raise BadStr()
+
+
+def value_error_factory(pool: PoolConfig) -> System:
+    raise ValueError("this plug-in needs --degrees=2,4")  # a user-facing message: unchanged
+
+
+def interrupted_factory(pool: PoolConfig) -> System:
+    raise KeyboardInterrupt
+
+
+class ChooseCrashRouter(ExampleRouter):
+    """Fails on the first request it routes (a bug met only while the replay runs)."""
+
+    def choose(self, request, candidates, matched_blocks, now) -> int:
+        return {}["x"]
+
+
+class OutOfRangeRouter(ExampleRouter):
+    def choose(self, request, candidates, matched_blocks, now) -> int:
+        return len(candidates)
+
+
+class TickCrashRouter(ExampleRouter):
+    """Registers a tick hook when bound to the scheduler; the hook fails."""
+
+    def bind(self, scheduler) -> None:
+        scheduler.tick_hooks.append(self.on_tick)
+
+    def on_tick(self, scheduler, now: float) -> None:
+        raise ValueError("tick failed")
+
+
+class SlotsCrashRouter:
+    """A router whose methods cannot be replaced on the instance (`__slots__`)."""
+
+    __slots__ = ()
+    name = "slots"
+
+    def choose(self, request, candidates, matched_blocks, now) -> int:
+        raise RuntimeError("slots choose failed")
+
+
+def setup_crash_system(pool: PoolConfig) -> System:
+    """A built-in router, and a setup function of the plug-in's that fails."""
+    def setup(scheduler) -> None:
+        raise RuntimeError("setup failed")
+    return System("setup-crash", pool.workers(homogeneous_degrees(pool.num_gpus, 2)),
+                  LeastWorkRouter(), setup=[setup])

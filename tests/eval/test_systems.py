@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -13,9 +14,11 @@ from eval.systems import PoolConfig, System, build_system, mixed_degrees
 from eval.traces.workloads import tool_agent_workload
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
-from serving.policy.plugins import router_from_spec
+from serving.policy.plugins import PluginError, guard_callable, router_from_spec
+from serving.policy.prefix_index import PrefixIndex
 from serving.policy.profiles import analytic_prefill_seconds
 from serving.policy.request import Request, chain_block_hashes
+from serving.policy.router import LeastWorkRouter
 from serving.policy.specs import GPUS, MODELS
 from tests.eval.plugin_example import ExampleRouter
 
@@ -109,6 +112,73 @@ def test_cli_reports_a_crashing_plugin_without_a_traceback(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: system '{PLUGIN}:crashing_factory': factory "
                                   f"'crashing_factory' raised ZeroDivisionError: division by zero")
+
+
+AT = r" \(at .*plugin_example\.py:\d+ in {}\)$"
+
+
+@pytest.mark.parametrize("attr, message", [
+    ("exiting_factory", r"SystemExit\(0\)"),
+    ("base_exception_factory", r"Boom: custom BaseException"),
+    ("json_factory", r"JSONDecodeError: Expecting property name enclosed in double quotes: "
+                     r"line 1 column 2 \(char 1\)"),  # the plug-in's line, not json's
+    ("bad_str_factory", r"BadStr: <cannot be shown: str\(\) raised RuntimeError>"),
+])
+def test_plugins_ending_in_any_exception_are_one_line_errors(attr, message):
+    with pytest.raises(PluginError, match=rf"^system '{re.escape(PLUGIN)}:{attr}': factory "
+                                          rf"'{attr}' raised {message}" + AT.format(attr)) as e:
+        build_system(f"{PLUGIN}:{attr}", POOL)
+    assert "\n" not in str(e.value)
+
+
+def test_plain_value_errors_pass_and_ctrl_c_stops():
+    with pytest.raises(ValueError) as e:
+        build_system(f"{PLUGIN}:value_error_factory", POOL)
+    assert type(e.value) is ValueError and str(e.value) == "this plug-in needs --degrees=2,4"
+    with pytest.raises(KeyboardInterrupt):
+        build_system(f"{PLUGIN}:interrupted_factory", POOL)
+
+
+@pytest.mark.parametrize("attr, message", [
+    ("ChooseCrashRouter", r"router ChooseCrashRouter\.choose raised KeyError: 'x'"
+                          + AT.format("choose")),
+    ("OutOfRangeRouter", r"router OutOfRangeRouter\.choose returned (\d+), not an index into "
+                         r"its \1 candidates \(0 to \d+\)$"),
+    ("TickCrashRouter", r"tick hook TickCrashRouter\.on_tick raised ValueError: tick failed"
+                        + AT.format("on_tick")),
+    ("SlotsCrashRouter", r"router SlotsCrashRouter\.choose raised RuntimeError: slots choose "
+                         r"failed" + AT.format("choose")),
+    ("setup_crash_system", r"setup setup_crash_system\.<locals>\.setup raised RuntimeError: "
+                           r"setup failed" + AT.format("setup")),
+])
+def test_plugin_code_failing_during_the_replay_names_the_system(attr, message):
+    cfg = ReplayConfig(num_gpus=8, degrees=(2, 4), systems=(f"{PLUGIN}:{attr}",), rates=(2.0,))
+    with pytest.raises(PluginError, match=rf"^system '{re.escape(PLUGIN)}:{attr}': {message}"):
+        run_sweep(tool_agent_workload(duration_s=10.0, seed=1), "t", cfg)
+
+
+def test_guards_keep_the_plugin_router_and_leave_our_code_alone():
+    s = build_system(f"{PLUGIN}:ExampleRouter", POOL)
+    assert type(s.router) is ExampleRouter and "choose" in vars(s.router)  # guarded in place
+    t = build_system(f"{PLUGIN}:setup_crash_system", POOL)  # a built-in router: not guarded
+    assert type(t.router) is LeastWorkRouter and "choose" not in vars(t.router)
+    assert t.make_prefix_index is PrefixIndex
+    assert guard_callable("x:y", "system", "hook", mixed_degrees) is mixed_degrees
+    assert build_system(f"{PLUGIN}:SlotsCrashRouter", POOL).router.name == "slots"  # a proxy
+
+
+@pytest.mark.parametrize("attr, message", [
+    ("exiting_factory", "factory 'exiting_factory' raised SystemExit(0) (at "),  # was exit 0
+    ("ChooseCrashRouter", "router ChooseCrashRouter.choose raised KeyError: 'x' (at "),
+])
+def test_cli_reports_plugin_failures_in_one_line(tmp_path, attr, message):
+    cmd = [sys.executable, "-m", "eval.replay", "--workload_duration=10", "--num_gpus=8",
+           "--rates=2", f"--systems={PLUGIN}:{attr}", f"--output_dir={tmp_path}",
+           "--progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"error: system '{PLUGIN}:{attr}': {message}")
 
 
 def test_system_rejects_unknown_parallelism():

@@ -11,10 +11,11 @@ import json
 import os
 import random
 import signal
+import tracemalloc
 
 import pytest
 
-from eval.traces import parsing
+from eval.traces import json_depth, parsing
 from eval.traces.loaders import TraceFormatError, load_azure, load_mooncake, load_trace
 from eval.traces.sessions import load_sessions
 from tests.eval.traces.trace_fixtures import AZ_HEAD, mooncake_line
@@ -91,6 +92,49 @@ def test_session_files_nested_too_deeply_name_file_and_line(tmp_path):
     with pytest.raises(TraceFormatError, match=r"b\.json, line 1, field 'json': arrays and"):
         load_sessions(folder)
     assert load_sessions(folder, skip_malformed=True).skipped == 1
+
+
+def _depth_line_char_by_char(text: str, limit: int) -> int | None:
+    """The reference of `json_depth.first_too_deep_line`: one character at a time."""
+    depth, in_string, escaped, line = 0, False, False, 1
+    for c in text:
+        line += c == "\n"
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "[{]}":
+            depth += 1 if c in "[{" else -1
+            if depth > limit:
+                return line
+    return None
+
+
+def test_depth_scan_in_chunks_agrees_with_a_character_scan(monkeypatch):
+    """Strings, escapes and brackets across every chunk boundary (chunks of 1 to 8 characters)."""
+    rng = random.Random(11)
+    for chunk in (1, 2, 3, 5, 8, json_depth.SCAN_CHARS):
+        monkeypatch.setattr(json_depth, "SCAN_CHARS", chunk)
+        for trial in range(1500):
+            text = "".join(rng.choice('[[{]}"\\a\né') for _ in range(rng.randrange(0, 40)))
+            limit = rng.randrange(0, 4)
+            want = _depth_line_char_by_char(text, limit)
+            assert json_depth.first_too_deep_line(text, limit) == want, (chunk, text, limit)
+
+
+def test_depth_scan_memory_is_bounded_whatever_the_line_length():
+    """A 64 MiB line of `[` (it allocated 30 times that, 1.9 GB, before), and a long balanced
+    text with strings: the scan allocates a few MiB, its chunks' worth."""
+    unit = '[[1,{"k":[2]}],"s\\"]"],'  # nests 4 deep; the string holds `\"]`
+    for text, line in (("[" * parsing.MAX_LINE_BYTES, 1),
+                       (unit * ((2 << 20) // len(unit)) + "\n" + "[" * 101, 2)):
+        tracemalloc.start()
+        try:
+            assert parsing._json_too_deep(text) == line
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 12 << 20, f"{peak / 2**20:.1f} MiB for a line of {len(text) >> 20} MiB"
 
 
 # ----------------------------------------------------------------------------- line length

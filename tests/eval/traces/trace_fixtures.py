@@ -28,8 +28,9 @@ def need(path: pathlib.Path) -> None:
     """Skips the calling test when the shared trace `path` is absent."""
     if not path.exists():
         pytest.skip(f"shared trace {path} not present: set VERTUMNUS_TRACES_DIR to the folder "
-                    f"holding the public traces (mooncake/, azure2023/, leval/; their sources "
-                    f"are listed in that folder's README.md), default ../shared/traces")
+                    f"holding the public traces (mooncake/, azure2023/, leval/, agent_sessions/; "
+                    f"their sources are listed in that folder's README.md), default "
+                    f"../shared/traces")
 
 
 def common_prefix(a, b) -> int:
