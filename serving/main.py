@@ -174,6 +174,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = server_config()
+    logging.set_verbosity(_LOG_LEVEL.value)  # absl's own lines (this binary's, the engine's)
     # jax logs an INFO line per absent accelerator plugin (libtpu, ...): not news on this host.
     pylogging.getLogger("jax._src.xla_bridge").setLevel(pylogging.WARNING)
     import jax  # after flag parsing: the device count must be set before jax starts
@@ -199,7 +200,6 @@ def main(argv):
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
                  _HOST.value, _PORT.value, _NUM_DEVICES.value)
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
-    logging.set_verbosity(_LOG_LEVEL.value)  # absl's own lines (this binary's, the engine's)
     server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
                                            log_level=_LOG_LEVEL.value),
                             application.state.engine, _SHUTDOWN.value,
