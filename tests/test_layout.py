@@ -131,3 +131,15 @@ def test_no_import_cycles():
         if label not in state:
             visit(label, [label])
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_pallas_kernels_import_only_jax():
+    """DESIGN.md "Layout": `pallas_kernels` imports jax (and numpy), none of the project's other
+    packages, so the kernels stay usable on their own."""
+    bad = {}
+    for path in sorted((ROOT / "pallas_kernels").rglob("*.py")):
+        hits = sorted(n for n in _imported(path)
+                      if n.split(".")[0] in PACKAGES and n.split(".")[0] != "pallas_kernels")
+        if hits:
+            bad[path.relative_to(ROOT).as_posix()] = hits
+    assert not bad, f"pallas_kernels files importing other project packages: {bad}"

@@ -1,4 +1,4 @@
-"""Times real zigzag CP prefill on the devices at hand and writes the prefill profile CSV.
+r"""Times real zigzag CP prefill on the devices at hand and writes the prefill profile CSV.
 
     python -m vertumnus_jax.profile --model=tiny --cpu_devices=8 --cp_degrees=1,2,4,8 \
         --input_lens=128,256,512 --cached_fractions=0,0.5,0.9,0.99 --output=/tmp/profile.csv
@@ -18,8 +18,6 @@ only show the shape of the curves).
 from __future__ import annotations
 
 import csv
-import statistics
-import time
 
 import jax
 import numpy as np
@@ -28,8 +26,7 @@ from absl import app, flags, logging
 from mesh import worker_mesh
 from vertumnus_jax.config import ModelConfig
 from vertumnus_jax.model import init_model
-from vertumnus_jax.prefill import prefill, prefill_request, release_request
-from vertumnus_jax.prefix_cache import block_hashes
+from vertumnus_jax.profile_timing import cached_length, time_prefill
 from vertumnus_jax.worker import Worker
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Named config with seeded random weights: tiny, "
@@ -49,39 +46,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.
 _OUTPUT = flags.DEFINE_string("output", "prefill_profile.csv", "CSV path to write.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "On CPU: host devices to create "
                                     "(jax_num_cpu_devices), e.g. 8 to time C up to 8.")
-
-
-def cached_length(input_len: int, fraction: float, block_size: int) -> int:
-    """Cached tokens for a prompt: `fraction * input_len` rounded down to whole blocks, capped at
-    `(input_len - 1) // block_size` blocks (the last token is always recomputed)."""
-    blocks = min(int(fraction * input_len) // block_size, (input_len - 1) // block_size)
-    return blocks * block_size
-
-
-def time_prefill(worker: Worker, tokens: np.ndarray, cached_len: int, warmup: int,
-                 repeats: int) -> float:
-    """Median seconds of `prefill(worker, tokens, prefix)` over `repeats` runs after `warmup`,
-    with the first `cached_len` tokens (whole blocks) cached beforehand."""
-    bs = worker.block_size
-    hashes = block_hashes(tokens, bs)[:cached_len // bs]
-    if cached_len:
-        release_request(worker, prefill_request(worker, tokens[:cached_len]))
-    hit = worker.cache.match(hashes)
-    if len(hit) != len(hashes):
-        raise RuntimeError(f"prefix of {cached_len} tokens was not cached (hit {len(hit)} blocks)")
-    worker.cache.lock(hashes)
-    times = []
-    try:
-        for i in range(warmup + repeats):
-            start = time.perf_counter()
-            result = prefill(worker, tokens, hit)
-            elapsed = time.perf_counter() - start  # first_token is already on the host
-            worker.cache.free(len(hit), result.new_block_ids)
-            if i >= warmup:
-                times.append(elapsed)
-    finally:
-        worker.cache.unlock(hashes)
-    return statistics.median(times)
 
 
 def main(argv):

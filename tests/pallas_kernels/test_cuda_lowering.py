@@ -1,0 +1,77 @@
+"""The flash-attention kernel lowered for CUDA (Pallas -> Triton) at the supported models' shapes.
+
+Runs on any host, CI's CPU included: `jax.export.export(..., platforms=["cuda"])` of
+`flash_attention(..., interpret=False)` on abstract bf16 arguments runs the Pallas-Triton
+lowering (no GPU, no compile; without a GPU the Triton IR targets compute capability 9.0).
+Per model (query / KV heads of Qwen3-0.6B, 8B, 32B and 30B-A3B, head_dim 128) and per shape
+(plain causal prefill, queries after a cached prefix, lengths off the block grid, and a zigzag
+rank at the smallest bucket) the test asserts one `__gpu$xla.gpu.triton` call with the GPU
+tiling of `BlockSizes.get_default("gpu")`: its launch grid, warps and stages, K/V passed with
+the KV head count (GQA, never repeated), and the Triton IR's two `tt.dot`s at the expected
+block shapes. A lowering error is not caught: it fails the test with jax's message.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import BlockSizes, flash_attention
+from pallas_kernels.block_sizes import next_pow2
+from tests.pallas_kernels.cuda_lowering import (
+    MODELS,
+    export_for_cuda,
+    flash_dots,
+    model_config,
+    triton_calls,
+)
+
+# (q_len, kv_len): no cached prefix; 1024 new tokens after a 7168-token prefix; lengths off the
+# block grid (padding path); one zigzag rank of C=8 at the 16-token minimum bucket over one
+# cached block per rank (2 queries, block_q clipped to 16).
+SHAPES = {
+    "causal_4k": (4096, 4096),
+    "prefix_8k": (1024, 8192),
+    "ragged_prefix": (1000, 3000),
+    "zigzag_rank_min_bucket": (2, 8 * 16 + 16),
+}
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("model", MODELS)
+def test_kernel_lowers_to_triton_for_cuda(model, shape):
+    cfg = model_config(model)
+    hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    q_len, kv_len = SHAPES[shape]
+    assert cfg.dtype == "bfloat16" and d == 128
+    q = jax.ShapeDtypeStruct((1, q_len, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, kv_len, hkv, d), jnp.bfloat16)
+    q_pos = jax.ShapeDtypeStruct((1, q_len), jnp.int32)
+    kv_pos = jax.ShapeDtypeStruct((1, kv_len), jnp.int32)
+    fn = jax.jit(functools.partial(flash_attention, interpret=False))
+    exported = export_for_cuda(fn, q, kv, kv, q_pos, kv_pos)
+    assert exported.platforms == ("cuda",)
+
+    [call] = triton_calls(exported)
+    gpu = BlockSizes.get_default("gpu")
+    block_q = min(gpu.block_q, max(16, next_pow2(q_len)))
+    block_k = min(gpu.block_k, max(16, next_pow2(kv_len)))
+    q_pad, kv_pad = _cdiv(q_len, block_q) * block_q, _cdiv(kv_len, block_k) * block_k
+    assert call.name == "vertumnus_flash_attention_fwd"
+    assert call.grid == (q_pad // block_q, 1, hq)  # (query block, batch, query head)
+    assert (call.num_warps, call.num_stages) == (gpu.num_warps or 8, gpu.num_stages)
+    # Operands: schedule, q positions, kv positions, q, k, v (K/V at the KV head count).
+    assert call.operand_types[3:] == (
+        f"tensor<1x{q_pad}x{hq}x{d}xbf16>",
+        f"tensor<1x{kv_pad}x{hkv}x{d}xbf16>",
+        f"tensor<1x{kv_pad}x{hkv}x{d}xbf16>",
+    )
+    assert set(call.dots) == flash_dots(block_q, block_k, d), call.dots
+    assert "scf.for" in call.ir  # the schedule's data-dependent key loops
