@@ -1,6 +1,6 @@
 """`python -m eval.soak`: the live server under a steady request stream while it splits and merges.
 
-    python -m eval.soak                          # 1,000 splits and merges, ~30 min on 2 cores
+    python -m eval.soak                          # 1,000 splits and merges, ~25 min on 2 cores
     python -m eval.soak --operations=20          # a short run (minutes, mostly compilation)
     python -m eval.soak --url=http://127.0.0.1:8000 --admin_api_key=$ADMIN --server_pid=$PID
 

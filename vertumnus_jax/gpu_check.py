@@ -1,4 +1,4 @@
-"""One prepared GPU check: `python -m vertumnus_jax.gpu_check` (issue 17).
+"""One prepared GPU check: `python -m vertumnus_jax.gpu_check`.
 
 Meant to run once, unattended, on a lent NVIDIA GPU (an H200 with jax 0.11 and the CUDA plugin,
 no network) in under 8 minutes, and to leave everything it measured in one folder to commit:
@@ -191,16 +191,19 @@ class Results:
         os.replace(tmp, self.path("results.json"))
 
 
-def run_part(name: str, fn, cfg: CheckConfig, deadline: Deadline, results: Results) -> dict:
-    """Runs one part with its share of the budget; any exception is recorded, not raised."""
+def run_part(name: str, fn, cfg: CheckConfig, deadline: Deadline, results: Results,
+             share: float = 1.0) -> dict:
+    """Runs one part with `share` of the budget (from now, within what is left); any exception
+    is recorded, not raised."""
     record = {"status": "running"}
     results.data["parts"][name] = record
     results.save()
     start = time.monotonic()
-    print(f"== {name} (budget left {deadline.left():.0f} s)", flush=True)
+    part_end = deadline.part_end(share)
+    print(f"== {name} (budget left {deadline.left():.0f} s, this part "
+          f"{max(0.0, part_end - time.monotonic()):.0f} s)", flush=True)
     try:
-        share = {"kernel": cfg.kernel_share, "timing": cfg.timing_share}.get(name, 1.0)
-        fn(cfg, deadline, deadline.part_end(share), record, results)
+        fn(cfg, deadline, part_end, record, results)
         record["status"] = "done" if not record.get("skipped") else "partial"
     except Exception as err:  # noqa: BLE001 - one part's failure must not stop the others
         record["status"] = "error"
@@ -225,9 +228,11 @@ def run_check(cfg: CheckConfig, deadline: Deadline | None = None) -> dict:
     print(gpu_check_report.environment_lines(env, cfg), flush=True)
     fns = {"kernel": gpu_check_kernel.run, "timing": gpu_check_timing.run,
            "profile": gpu_check_profile.run}
-    for name in PARTS:
-        if name in cfg.parts:
-            run_part(name, fns[name], cfg, deadline, results)
+    selected = [name for name in PARTS if name in cfg.parts]
+    for name in selected:  # the last part selected gets all that is left
+        share = 1.0 if name == selected[-1] else {"kernel": cfg.kernel_share,
+                                                   "timing": cfg.timing_share}.get(name, 1.0)
+        run_part(name, fns[name], cfg, deadline, results, share)
     results.data["targets"] = gpu_check_report.targets(results.data)
     results.data["wall_s"] = deadline.elapsed()
     results.save()
@@ -289,6 +294,9 @@ def main(argv):
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     cfg = config_from_flags()
+    unknown = [p for p in cfg.parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"error: --only: unknown parts {unknown}; choose from {list(PARTS)}")
     run_check(cfg, Deadline(cfg.budget_s, start=_T0))
 
 

@@ -2,9 +2,9 @@
 
 Plain Python over the run's record (the dict `results.json` holds); no jax.
 
-Targets (issue 17): every kernel case within the bf16 tolerance; >= 400 TFLOP/s for causal
+Targets: every kernel case within the bf16 tolerance; >= 400 TFLOP/s for causal
 prefill of 16K tokens; the kernel at most 1.25x the fastest `jax.nn.dot_product_attention` on
-every timed case; the profile CSV written (then committed, and `eval.paper` rerun on it). When
+every timed case; the profile CSV written (then committed; eval.replay --profile_csv reads it). When
 a run has no 16K causal case (a dry run), its largest causal case stands in and says so.
 """
 
@@ -77,7 +77,7 @@ def targets(data: dict) -> list[dict]:
     rows = [p for p in prof.get("points", []) if "seconds" in p]
     grid = len(rows) + len(prof.get("skipped", [])) + sum(
         "error" in p for p in prof.get("points", []))
-    out.append({"name": "profile CSV written (commit it, rerun eval.paper on it)",
+    out.append({"name": "profile CSV written (commit it; replay on it with eval.replay --profile_csv)",
                 "value": f"{len(rows)}/{grid} grid points" if prof else "not run",
                 "pass": (len(rows) == grid and grid > 0) if prof else None})
     return out

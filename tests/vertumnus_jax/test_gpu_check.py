@@ -6,6 +6,7 @@ budget, error recording, flags) hold on hand-made cases."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +159,15 @@ def test_a_failing_part_is_recorded_and_the_budget_stops_items(tmp_path):
     assert "profile: ValueError" in (tmp_path / "summary.txt").read_text()
     with pytest.raises(ValueError, match="unknown parts"):
         gpu_check.run_check(gpu_check.dry_run_config(out_dir=str(tmp_path), parts=("bogus",)))
+
+
+def test_a_part_run_alone_gets_the_whole_budget(tmp_path, capsys):
+    # kernel's share is 40 % in a dry run; alone, it may use all 30 s of the budget
+    cfg = gpu_check.dry_run_config(out_dir=str(tmp_path), parts=("kernel",), budget_s=30.0)
+    gpu_check.run_check(cfg, gpu_check.Deadline(30.0))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("== kernel"))
+    left, part = (int(x) for x in re.findall(r"(\d+) s", line))
+    assert part == left >= 29
 
 
 def test_flags_build_the_config():
