@@ -17,7 +17,9 @@ no network) in under 8 minutes, and to leave everything it measured in one folde
 Outputs (`--out_dir`, default `pallas_kernels/results/gpu_check-<UTC time>/`): `results.json`
 (everything, errors with tracebacks), `results.md` (tables), `summary.txt` (what is printed at
 the end), `profile.csv` and `profile_measured.csv`. `results.json` and the CSVs are rewritten
-after every measured item, so a run killed by an outer `timeout` keeps what it had.
+after every measured item (a timing case after each implementation), so a run killed by an
+outer `timeout` keeps what it had. SIGTERM (what `timeout` sends) and SIGINT stop the run: the part
+in progress is recorded as "interrupted", the reports are written, and the exit status is 143 / 130.
 
 Every part runs in try/except: an error is recorded (with its traceback) and the next part runs.
 `--budget_s` is checked before every item (a compile in flight cannot be cut short, so leave a
@@ -34,6 +36,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -172,6 +175,36 @@ def _clean(x):
     return x
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised by `main`'s SIGTERM handler; like Ctrl-C, it passes every `except Exception`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGINT raise `Interrupted` once; a second signal while the report is being
+    written is ignored. Called by `main` only (importing the module changes nothing)."""
+    fired = []
+
+    def handler(signum, frame):  # noqa: ARG001
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes `text` to `path` atomically (a temporary file, then os.replace)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class Results:
     """The run's record; `save()` rewrites `results.json` atomically (called after each item)."""
 
@@ -205,6 +238,13 @@ def run_part(name: str, fn, cfg: CheckConfig, deadline: Deadline, results: Resul
     try:
         fn(cfg, deadline, part_end, record, results)
         record["status"] = "done" if not record.get("skipped") else "partial"
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM through `Interrupted`
+        record["status"] = "interrupted"
+        record["interrupted"] = str(err) or "SIGINT"
+        record["seconds"] = time.monotonic() - start
+        results.save()
+        print(f"   {name} interrupted ({record['interrupted']})", flush=True)
+        raise
     except Exception as err:  # noqa: BLE001 - one part's failure must not stop the others
         record["status"] = "error"
         record["error"] = f"{type(err).__name__}: {err}"
@@ -229,20 +269,32 @@ def run_check(cfg: CheckConfig, deadline: Deadline | None = None) -> dict:
     fns = {"kernel": gpu_check_kernel.run, "timing": gpu_check_timing.run,
            "profile": gpu_check_profile.run}
     selected = [name for name in PARTS if name in cfg.parts]
-    for name in selected:  # the last part selected gets all that is left
-        share = 1.0 if name == selected[-1] else {"kernel": cfg.kernel_share,
-                                                   "timing": cfg.timing_share}.get(name, 1.0)
-        run_part(name, fns[name], cfg, deadline, results, share)
+    try:
+        for name in selected:  # the last part selected gets all that is left
+            share = 1.0 if name == selected[-1] else {"kernel": cfg.kernel_share,
+                                                       "timing": cfg.timing_share}.get(name, 1.0)
+            run_part(name, fns[name], cfg, deadline, results, share)
+    except KeyboardInterrupt as err:  # the report is written, then the interrupt goes on
+        results.data["interrupted"] = str(err) or "SIGINT"
+        for part in results.data["parts"].values():  # a signal between two statements
+            if part.get("status") == "running":
+                part.update(status="interrupted", interrupted=results.data["interrupted"])
+        results.data["not_run"] = [p for p in selected if p not in results.data["parts"]]
+        _finish(cfg, deadline, results)
+        raise
+    _finish(cfg, deadline, results)
+    return results.data
+
+
+def _finish(cfg: CheckConfig, deadline: Deadline, results: Results) -> None:
+    """Targets, wall time, results.json, results.md, summary.txt; prints the summary."""
     results.data["targets"] = gpu_check_report.targets(results.data)
     results.data["wall_s"] = deadline.elapsed()
     results.save()
-    with open(results.path("results.md"), "w") as f:
-        f.write(gpu_check_report.markdown(results.data))
+    write_text(results.path("results.md"), gpu_check_report.markdown(results.data))
     summary = gpu_check_report.summary(results.data, cfg.out_dir)
-    with open(results.path("summary.txt"), "w") as f:
-        f.write(summary + "\n")
+    write_text(results.path("summary.txt"), summary + "\n")
     print(summary, flush=True)
-    return results.data
 
 
 def define_flags(fv=None):
@@ -297,7 +349,14 @@ def main(argv):
     unknown = [p for p in cfg.parts if p not in PARTS]
     if unknown:
         raise SystemExit(f"error: --only: unknown parts {unknown}; choose from {list(PARTS)}")
-    run_check(cfg, Deadline(cfg.budget_s, start=_T0))
+    install_signal_handlers()
+    try:
+        run_check(cfg, Deadline(cfg.budget_s, start=_T0))
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"gpu_check: interrupted by {signal.Signals(signum).name}; the report above has "
+              "what was measured", file=sys.stderr, flush=True)
+        sys.exit(128 + int(signum))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,17 @@ Cases, with `n` the base length (4096 on the GPU, 256 in a dry run) and Qwen3-8B
   padding        batch 2, ragged lengths (not multiples of the tiles), padding queries in the
                  middle and at the end (rows that see nothing), a padding gap among the keys.
 
-Tolerance (`TOLERANCES`, for bf16 / f16): every element `|out - ref| <= 2e-2 + 2e-2 |ref|`
-and every finite LSE `|lse - ref_lse| <= 1e-2`; no NaN; rows the reference leaves empty
-(LSE -inf) are exactly the kernel's -inf rows and are zero. Why 2e-2: bf16 keeps 8 significant
-bits (unit roundoff 2^-8 = 3.9e-3); the kernel rounds P to bf16 before P.V and both sides round
-the output to bf16, so a few roundings of values up to |v| ~ 5 are expected, about 1e-2 at
-worst, and 2e-2 leaves a factor of two. The LSE comes from the same bf16 products summed in
-float32, so it agrees to ~1e-5; 1e-2 only flags real errors. f32 (not used on the GPU, where
-Triton may use TF32): 1e-5 as in the unit tests.
+Tolerance (`TOLERANCES`, for bf16 / f16): every element `|out - ref| <= 1e-2 + 1.5e-2 |ref|`
+and every finite LSE `|lse - ref_lse| <= 2e-3`; no NaN; rows the reference leaves empty
+(LSE -inf) are exactly the kernel's -inf rows and are zero. Why: bf16 keeps 8 significant bits;
+the kernel rounds P to bf16 before P.V (relative error 2^-9 per weight, so the f32 results of
+kernel and reference differ by well under one bf16 step of the output) and both sides round the
+output to bf16, so the two outputs differ by at most one bf16 step, 2^-7 |ref| at worst (at a
+power of two). That is <= 0.52 of the bound for any |ref| (0.45 at |ref| = 4): a factor of two
+left. The dry run's worst case uses 0.31 of it. An output scaled by 1.02 fails wherever
+|ref| > 2. The LSE comes from the same bf16 products summed in float32 and agrees to ~1e-5
+(1e-6 in interpret mode). f32 (not used on the GPU, where Triton may use TF32): 1e-5 as in the
+unit tests.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.reference import attention_reference
 
 # dtype -> (out atol, out rtol, lse atol)
-TOLERANCES = {"bfloat16": (2e-2, 2e-2, 1e-2), "float16": (2e-2, 2e-2, 1e-2),
+TOLERANCES = {"bfloat16": (1e-2, 1.5e-2, 2e-3), "float16": (1e-2, 1.5e-2, 2e-3),
               "float32": (1e-5, 1e-5, 1e-5)}
 
 
@@ -147,6 +150,9 @@ def run(cfg, deadline, part_end, record, results) -> None:
             out, lse = jax.block_until_ready(kernel(*args))
             ref_out, ref_lse = reference(*args)
             row.update(check_tolerance(out, lse, ref_out, ref_lse, cfg.dtype))
+        except KeyboardInterrupt:
+            row.update({"pass": False, "interrupted": True})
+            raise
         except Exception as err:  # noqa: BLE001 - a failing case is a result, not the end
             row.update({"pass": False, "error": f"{type(err).__name__}: {err}"})
         row["seconds"] = time.monotonic() - start

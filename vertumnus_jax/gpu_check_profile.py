@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import os
 import time
 
 import jax
@@ -74,12 +75,15 @@ def fixed_overhead(t_measured: float, t_probe: float, measured_layers: int,
 
 
 def write_csv(path: str, rows) -> None:
-    """`cp,input_len,cached_len,seconds` rows (sorted), seconds as repr floats."""
-    with open(path, "w", newline="") as f:
+    """`cp,input_len,cached_len,seconds` rows (sorted), seconds as repr floats; atomically
+    (a temporary file, then os.replace), so a kill never leaves half a CSV."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         for cp, length, h, s in sorted(rows):
             w.writerow((int(cp), int(length), int(h), repr(float(s))))
+    os.replace(tmp, path)
 
 
 def _worker(cfg, layers: int, cp: int, num_blocks: int) -> Worker:
@@ -122,23 +126,48 @@ def run(cfg, deadline, part_end, record, results) -> None:
         num_blocks = 2 * (-(-max(lens) // bs) // cp + 1)  # as vertumnus_jax.profile
         small_len = min(lens)
         small_h = cached_length(small_len, max(cfg.profile_fracs), bs)
-        if probe is not None:
+        if probe is not None and _out_of_time(deadline, part_end):
+            record["probe"][str(cp)] = {"skipped": "out of budget before building the probe"}
+        elif probe is not None:
+            w = None
             try:
                 w = _worker(cfg, probe, cp, num_blocks)
+                if _out_of_time(deadline, part_end):
+                    raise _OutOfTime("out of budget after building the probe model")
                 p = _point(w, tokens_by_len[small_len], small_h, cfg)
                 record["probe"][str(cp)] = {"layers": probe, **p}
                 print(f"   probe cp={cp} {probe} layer(s) L={small_len} h={small_h}: "
                       f"{p['seconds'] * 1e3:.2f} ms", flush=True)
+            except _OutOfTime as err:
+                record["probe"][str(cp)] = {"skipped": str(err)}
             except Exception as err:  # noqa: BLE001 - fall back to proportional scaling
                 record["probe"][str(cp)] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             finally:
                 w = None
                 gc.collect()
+        if _out_of_time(deadline, part_end):
+            fracs = sorted(set(cfg.profile_fracs))
+            record.setdefault("skipped", []).extend(
+                {"cp": cp, "input_len": n, "cached_len": h,
+                 "reason": "out of budget before building the measured model"}
+                for n in lens for h in sorted({cached_length(n, f, bs) for f in fracs}))
+            print(f"   budget: profile cp={cp} skipped before building the model", flush=True)
+            continue
         worker = _worker(cfg, measured, cp, num_blocks)
         _grid(cfg, worker, cp, lens, tokens_by_len, deadline, part_end, record, results,
               target, measured, probe)
         worker = None
         gc.collect()
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _out_of_time(deadline, part_end, need_s: float = 5.0) -> bool:
+    """Whether less than `need_s` of the part's time is left (checked before each model
+    build and the probe)."""
+    return deadline.left(part_end) < need_s
 
 
 def _grid(cfg, worker, cp, lens, tokens_by_len, deadline, part_end, record, results,
@@ -150,7 +179,8 @@ def _grid(cfg, worker, cp, lens, tokens_by_len, deadline, part_end, record, resu
     for i, (n, h) in enumerate(grid):
         if deadline.left(part_end) < 1.5 * longest + 5.0:
             record.setdefault("skipped", []).extend(
-                {"cp": cp, "input_len": a, "cached_len": b} for a, b in grid[i:])
+                {"cp": cp, "input_len": a, "cached_len": b, "reason": "out of budget"}
+                for a, b in grid[i:])
             print(f"   budget: {len(grid) - i} grid points left unmeasured", flush=True)
             break
         start = time.monotonic()

@@ -4,11 +4,15 @@ Plain Python over the run's record (the dict `results.json` holds); no jax.
 
 Targets: every kernel case within the bf16 tolerance; >= 400 TFLOP/s for causal
 prefill of 16K tokens; the kernel at most 1.25x the fastest `jax.nn.dot_product_attention` on
-every timed case; the profile CSV written (then committed; eval.replay --profile_csv reads it). When
-a run has no 16K causal case (a dry run), its largest causal case stands in and says so.
+every timed case; the profile CSV written (then committed; eval.replay --profile_csv reads it).
+On a GPU run a kernel error, a kernel time missing where a reference ran, or a missing 16K case
+is a FAIL with its reason. Only interpret mode (a dry run) leaves the performance targets unjudged
+(n/a); there the largest causal case stands in for 16K and says so.
 """
 
 from __future__ import annotations
+
+import os
 
 TFLOPS_TARGET = 400.0
 TFLOPS_TARGET_LEN = 16384
@@ -34,52 +38,128 @@ def environment_lines(env: dict, cfg) -> str:
         f"parts {','.join(cfg.parts)}, budget {cfg.budget_s:.0f} s, out_dir {cfg.out_dir}"])
 
 
-def _causal_target_row(timing: dict):
+def _first_line(text) -> str:
+    lines = str(text).splitlines()
+    return (lines[0] if lines else str(text))[:160]
+
+
+def _why_missing(part: dict) -> str:
+    """Why a part has no result for an item: its error, interruption or budget skip."""
+    if "error" in part:
+        return f"part failed: {_first_line(part['error'])}"
+    if part.get("status") == "interrupted":
+        return f"interrupted ({part.get('interrupted', 'signal')})"
+    if part.get("skipped"):
+        return "skipped: out of budget"
+    return "not in this run's cases"
+
+
+def _judged(data: dict, part: dict) -> bool:
+    """Performance is judged only on a compiled kernel (not interpret mode, not a dry run)."""
+    cfg = data.get("config", {})
+    return not (part.get("interpret", cfg.get("interpret", False)) or cfg.get("dry_run", False))
+
+
+def _kernel_target(data: dict) -> dict:
+    name = "kernel max error within bf16 tolerance"
+    kernel = data.get("parts", {}).get("kernel")
+    if kernel is None:
+        return {"name": name, "value": "not run", "pass": None}
+    cases = kernel.get("cases", [])
+    npass = sum(bool(c.get("pass")) for c in cases)
+    value = f"{npass}/{len(cases)} cases"
+    bad = [c for c in cases if not c.get("pass")]
+    if bad:
+        c = bad[0]
+        value += f"; {c['name']}: " + (_first_line(c["error"]) if "error" in c else
+                                        "interrupted" if c.get("interrupted") else
+                                        f"worst/tol {_f(c.get('worst_ratio'))}, lse err "
+                                        f"{_f(c.get('lse_max_abs_err'))}")
+    if "error" in kernel or kernel.get("status") == "interrupted" or kernel.get("skipped"):
+        value += f" ({_why_missing(kernel)})"
+    if "error" in kernel or bad:
+        return {"name": name, "value": value, "pass": False}
+    if not cases or kernel.get("skipped") or kernel.get("status") == "interrupted":
+        # nothing (or not everything) measured: a failure on the GPU, not judged in a dry run
+        return {"name": name, "value": value, "pass": False if _judged(data, kernel) else None}
+    return {"name": name, "value": value, "pass": kernel.get("pass", False)}
+
+
+def _tflops_target(data: dict) -> dict:
+    name = f"pallas >= {TFLOPS_TARGET:.0f} TFLOP/s, causal {TFLOPS_TARGET_LEN}"
+    timing = data.get("parts", {}).get("timing")
+    if timing is None:
+        return {"name": name, "value": "not run", "pass": None}
     causal = [r for r in timing.get("cases", []) if r.get("cached") == 0]
     exact = [r for r in causal if r.get("new") == TFLOPS_TARGET_LEN]
-    if exact:
-        return exact[0], ""
-    if causal:
-        row = max(causal, key=lambda r: r["new"])
-        return row, f" (stand-in: causal {row['new']})"
-    return None, ""
+    if not _judged(data, timing):  # interpret mode times the interpreter: shown, never judged
+        row = exact[0] if exact else max(causal, key=lambda r: r["new"], default=None)
+        note = f" (stand-in: causal {row['new']})" if row and not exact else ""
+        t = (row or {}).get("impls", {}).get("pallas", {})
+        return {"name": name + note + " (interpret mode: not judged)",
+                "value": _f(t.get("tflops"), ".4g"), "pass": None}
+    if not exact:
+        return {"name": name, "value": f"not measured ({_why_missing(timing)})", "pass": False}
+    row = exact[0]
+    t = row.get("impls", {}).get("pallas", {})
+    if "tflops" in t:
+        return {"name": name, "value": _f(t["tflops"], ".4g"), "pass": t["tflops"] >= TFLOPS_TARGET}
+    why = (_first_line(t["error"]) if "error" in t else _first_line(row["error"])
+           if "error" in row else "interrupted" if row.get("interrupted") else
+           _why_missing(timing))
+    return {"name": name, "value": f"not measured: {why}", "pass": False}
+
+
+def _ratio_target(data: dict) -> dict:
+    name = f"pallas <= {RATIO_TARGET}x fastest jax.nn.dot_product_attention"
+    timing = data.get("parts", {}).get("timing")
+    if timing is None:
+        return {"name": name, "value": "not run", "pass": None}
+    judged = _judged(data, timing)
+    name += "" if judged else " (interpret mode: not judged)"
+    cases = timing.get("cases", [])
+    ratios = [r["ratio"] for r in cases if "ratio" in r]
+    failed = []  # cases where a reference ran but the kernel has no time, or the case failed
+    for r in cases:
+        impls = r.get("impls", {})
+        refs_ran = any("ms" in impls.get(x, {}) for x in _IMPLS if x != "pallas")
+        p = impls.get("pallas", {})
+        if "error" in r:
+            failed.append(f"{r['case']}: {_first_line(r['error'])}")
+        elif refs_ran and "ms" not in p:
+            failed.append(f"{r['case']}: pallas " + (_first_line(p["error"]) if "error" in p
+                                                     else "not measured"))
+    parts = [f"worst {max(ratios):.2f} over {len(ratios)} cases"] if ratios else []
+    if failed:
+        parts.append(f"pallas failed on {len(failed)} case(s), first {failed[0]}")
+    if "error" in timing:
+        parts.append(_why_missing(timing))
+    if not parts:
+        parts = ["no reference ran" if cases else f"no case measured ({_why_missing(timing)})"]
+    value = "; ".join(parts)
+    if not judged:
+        return {"name": name, "value": value, "pass": None}
+    if failed or "error" in timing or (not cases and timing.get("status") != "done"):
+        return {"name": name, "value": value, "pass": False}
+    return {"name": name, "value": value,
+            "pass": max(ratios) <= RATIO_TARGET if ratios else None}
 
 
 def targets(data: dict) -> list[dict]:
-    """The issue's targets: name, value, pass (True / False / None when not measured)."""
-    parts = data.get("parts", {})
-    out = []
-    kernel = parts.get("kernel", {})
-    cases = kernel.get("cases", [])
-    if cases:
-        npass = sum(bool(c.get("pass")) for c in cases)
-        out.append({"name": "kernel max error within bf16 tolerance",
-                    "value": f"{npass}/{len(cases)} cases", "pass": kernel.get("pass", False)})
-    else:
-        out.append({"name": "kernel max error within bf16 tolerance", "value": "not run",
-                    "pass": None})
-    timing = parts.get("timing", {})
-    row, note = _causal_target_row(timing)
-    t = (row or {}).get("impls", {}).get("pallas", {})
-    # Interpret mode (a dry run) times the Pallas interpreter: shown, never judged.
-    judged = not timing.get("interpret", False)
-    note += "" if judged else " (interpret mode: not judged)"
-    out.append({"name": f"pallas >= {TFLOPS_TARGET:.0f} TFLOP/s, causal {TFLOPS_TARGET_LEN}"
-                + note, "value": _f(t.get("tflops"), ".4g"),
-                "pass": t["tflops"] >= TFLOPS_TARGET if "tflops" in t and judged else None})
-    ratios = [r["ratio"] for r in timing.get("cases", []) if "ratio" in r]
-    out.append({"name": f"pallas <= {RATIO_TARGET}x fastest jax.nn.dot_product_attention"
-                + ("" if judged else " (interpret mode: not judged)"),
-                "value": f"worst {max(ratios):.2f} over {len(ratios)} cases" if ratios
-                else "no reference ran",
-                "pass": max(ratios) <= RATIO_TARGET if ratios and judged else None})
-    prof = parts.get("profile", {})
+    """The issue's targets: name, value, pass (True / False / None when not judged). On a GPU
+    run a failing or missing kernel measurement is a FAIL with its reason; only interpret mode
+    (a dry run) leaves the performance targets unjudged."""
+    out = [_kernel_target(data), _tflops_target(data), _ratio_target(data)]
+    prof = data.get("parts", {}).get("profile", {})
     rows = [p for p in prof.get("points", []) if "seconds" in p]
     grid = len(rows) + len(prof.get("skipped", [])) + sum(
         "error" in p for p in prof.get("points", []))
     out.append({"name": "profile CSV written (commit it; replay on it with eval.replay --profile_csv)",
-                "value": f"{len(rows)}/{grid} grid points" if prof else "not run",
-                "pass": (len(rows) == grid and grid > 0) if prof else None})
+                "value": (f"{len(rows)}/{grid} grid points"
+                          + (f" ({_why_missing(prof)})" if "error" in prof or prof.get(
+                              "status") == "interrupted" else "")) if prof else "not run",
+                "pass": (len(rows) == grid and grid > 0 and "error" not in prof)
+                if prof else None})
     return out
 
 
@@ -190,8 +270,14 @@ def summary(data: dict, out_dir: str) -> str:
     if errors:
         lines.append(f"errors ({len(errors)}; tracebacks in results.json):")
         lines += [f"  {e[:150]}" for e in errors[:6]]
+    if data.get("interrupted"):
+        lines.append(f"INTERRUPTED by {data['interrupted']}; not run: "
+                     f"{', '.join(data.get('not_run', [])) or 'nothing'}")
+    wrote = bool(parts.get("profile", {}).get("points"))  # this run wrote them
+    csvs = [c for c in ("profile.csv", "profile_measured.csv")
+            if wrote and os.path.isfile(os.path.join(out_dir, c))]
     lines.append(f"files: {out_dir}/ results.json results.md summary.txt"
-                 + (" profile.csv profile_measured.csv" if "profile" in parts else ""))
+                 + "".join(" " + c for c in csvs))
     return "\n".join(lines)
 
 

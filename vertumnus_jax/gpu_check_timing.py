@@ -100,12 +100,15 @@ def _impl_fn(impl, case, interpret):
         q, k, v, mask=m, implementation=impl)), "mask"
 
 
-def run_case(case, cfg, part_end, deadline) -> dict:
-    """Times every implementation of `cfg.timing_impls` on one case."""
+def run_case(case, cfg, part_end, deadline, row: dict | None = None, save=None) -> dict:
+    """Times every implementation of `cfg.timing_impls` on one case, filling `row` (a new dict
+    by default) and calling `save()` after each implementation (a kill keeps what finished)."""
+    row = {"impls": {}} if row is None else row
+    row.update(case=case["name"], new=case["new"], cached=case["cached"])
+    row.setdefault("impls", {})
     q, k, v, q_pos, kv_pos = _inputs(case, cfg.timing_heads, jnp.dtype(cfg.dtype), cfg.seed)
     flops = attention_flops(q_pos, kv_pos, cfg.timing_heads[0], cfg.timing_heads[2])
-    row = {"case": case["name"], "new": case["new"], "cached": case["cached"], "flops": flops,
-           "impls": {}}
+    row["flops"] = flops
     outputs = {}
     for impl in cfg.timing_impls:
         if deadline.left(part_end) < 3.0:
@@ -125,6 +128,8 @@ def run_case(case, cfg, part_end, deadline) -> dict:
         except Exception as err:  # noqa: BLE001 - a failing implementation is reported
             msg = f"{type(err).__name__}: {err}"
             row["impls"][impl] = {"error": msg[:2000]}
+        if save is not None:
+            save()
     refs = {r: row["impls"][r]["ms"] for r in REFERENCES if "ms" in row["impls"].get(r, {})}
     if refs and "ms" in row["impls"].get("pallas", {}):
         best = min(refs, key=refs.get)
@@ -161,12 +166,16 @@ def run(cfg, deadline, part_end, record, results) -> None:
             print(f"   budget: skipping {record['skipped']}", flush=True)
             break
         start = time.monotonic()
+        row = {"case": case["name"], "new": case["new"], "cached": case["cached"], "impls": {}}
+        record["cases"].append(row)  # filled in place, saved after each implementation
         try:
-            row = run_case(case, cfg, part_end, deadline)
+            run_case(case, cfg, part_end, deadline, row, results.save)
+        except KeyboardInterrupt:
+            row["interrupted"] = True
+            row["seconds"] = time.monotonic() - start
+            raise
         except Exception as err:  # noqa: BLE001 - e.g. out of memory building the inputs
-            row = {"case": case["name"], "new": case["new"], "cached": case["cached"],
-                   "impls": {}, "error": f"{type(err).__name__}: {err}"[:2000]}
+            row["error"] = f"{type(err).__name__}: {err}"[:2000]
         row["seconds"] = time.monotonic() - start
-        record["cases"].append(row)
         print(_line(row), flush=True)
         results.save()

@@ -2,13 +2,18 @@
 
 Runs on any host, CI's CPU included: `jax.export.export(..., platforms=["cuda"])` of
 `flash_attention(..., interpret=False)` on abstract bf16 arguments runs the Pallas-Triton
-lowering (no GPU, no compile; without a GPU the Triton IR targets compute capability 9.0).
+lowering (no GPU, no compile; for an abstract NVIDIA H200, compute capability 9.0).
 Per model (query / KV heads of Qwen3-0.6B, 8B, 32B and 30B-A3B, head_dim 128) and per shape
 (plain causal prefill, queries after a cached prefix, lengths off the block grid, and a zigzag
 rank at the smallest bucket) the test asserts one `__gpu$xla.gpu.triton` call with the GPU
 tiling of `BlockSizes.get_default("gpu")`: its launch grid, warps and stages, K/V passed with
 the KV head count (GQA, never repeated), and the Triton IR's two `tt.dot`s at the expected
 block shapes. A lowering error is not caught: it fails the test with jax's message.
+
+Also pinned: the default GPU tiles (128 x 64, 3 stages) and their shared-memory footprint
+(Q tile + 3 stages of K and V tiles, bf16) within an H100 / H200 block's 227 KB at every model's
+head_dim; and `interpret=None` resolving to the compiled kernel where the default backend is a
+GPU (what a Worker or the server, both `interpret=None`, run on a GPU host).
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from pallas_kernels import BlockSizes, flash_attention
 from pallas_kernels.block_sizes import next_pow2
 from tests.pallas_kernels.cuda_lowering import (
     MODELS,
+    SMEM_PER_BLOCK,
     export_for_cuda,
     flash_dots,
     model_config,
+    result_types,
+    smem_bytes,
     triton_calls,
 )
 
@@ -75,3 +83,46 @@ def test_kernel_lowers_to_triton_for_cuda(model, shape):
     )
     assert set(call.dots) == flash_dots(block_q, block_k, d), call.dots
     assert "scf.for" in call.ir  # the schedule's data-dependent key loops
+    assert smem_bytes(block_q, block_k, d, call.num_stages) <= SMEM_PER_BLOCK
+    # (out, lse): q's dtype and shape, f32 log-sum-exp.
+    assert result_types(exported) == [f"tensor<1x{q_len}x{hq}x{d}xbf16>",
+                                      f"tensor<1x{q_len}x{hq}xf32>"]
+
+
+def test_default_gpu_tiles_are_pinned():
+    # Tile changes must be deliberate: the lowering tests derive their expectations from
+    # these defaults, so a default that overflows shared memory would pass them.
+    expected = BlockSizes(block_q=128, block_k=64, num_warps=None, num_stages=3)
+    assert BlockSizes.get_default("gpu") == expected
+    assert BlockSizes.get_default("cuda") == expected
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_default_gpu_tiles_fit_shared_memory(model):
+    cfg = model_config(model)
+    gpu = BlockSizes.get_default("gpu")
+    d = next_pow2(cfg.head_dim)  # the kernel pads head_dim to a power of two
+    used = smem_bytes(gpu.block_q, gpu.block_k, d, gpu.num_stages, itemsize=2)  # bf16
+    assert used <= SMEM_PER_BLOCK, (
+        f"{model}: Q + {gpu.num_stages} x (K, V) tiles take {used} B of shared memory, "
+        f"over the {SMEM_PER_BLOCK} B an H100 / H200 block can use")
+
+
+def _small_kernel_args():
+    q = jax.ShapeDtypeStruct((1, 128, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    return (q, kv, kv, jax.ShapeDtypeStruct((1, 128), jnp.int32),
+            jax.ShapeDtypeStruct((1, 256), jnp.int32))
+
+
+def test_interpret_none_compiles_on_a_gpu_backend(monkeypatch):
+    # `flash_attention` resolves `interpret=None` (the Worker's and the server's default) from
+    # `jax.default_backend()` when called: on a GPU worker that is "gpu" and the kernel must
+    # lower to Triton with the GPU tiles, not be interpreted. (On a CPU host None means interpret
+    # mode even when lowering for CUDA, so the other tests pass interpret=False.)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    fn = jax.jit(functools.partial(flash_attention, interpret=None))
+    [call] = triton_calls(export_for_cuda(fn, *_small_kernel_args()))
+    gpu = BlockSizes.get_default("gpu")
+    assert set(call.dots) == flash_dots(gpu.block_q, gpu.block_k, 128), call.dots
+

@@ -10,18 +10,21 @@ block write (`kv_pool`). Nothing is compiled and no parameter is allocated: the 
 Two ways to lower a sharded step for CUDA without a GPU both work with jax 0.10.2, and both
 are tested:
   * `jax.export.export(step, platforms=["cuda"])` on a `jax.sharding.AbstractMesh((C,), ("cp",))`
-    (no devices at all): Qwen3-8B at every C, Qwen3-0.6B and Qwen3-32B;
+    of abstract NVIDIA H200s (`cuda_mesh`, no devices at all; jax >= 0.11 needs the abstract
+    GPU to lower Triton without one): Qwen3-8B at every C, Qwen3-0.6B and Qwen3-32B;
   * `step.trace(...).lower(lowering_platforms=("cuda",))` on a `Mesh` of C of the 8 host CPU
     devices `tests/conftest.py` sets up, at the aligned offsets a re-carved worker uses:
     Qwen3-8B at every C and the MoE Qwen3-30B-A3B (export would legalize its `chlo.ragged_dot`
     into one dense dot per expert, which a jitted step does not do).
 The step is built for a stand-in worker with `interpret=False`: a real `Worker` on a CPU host
 has `interpret=None`, which picks Pallas interpret mode from the default backend at trace time
-and so would lower the interpreted kernel (no Triton call) even for CUDA.
+and so would lower the interpreted kernel (no Triton call) even for CUDA. One test builds the
+step from a real `Worker`'s defaults with the default backend reported as "gpu" (a GPU host).
 
-Each lowering must hold the flash-attention Triton call at the rank's shapes (2S = N / C
-queries over C * J cached blocks plus the N new keys), the all-gathers and the psum of the
-zigzag step, and the donated KV pool. A lowering error is not caught: it fails the test.
+Each lowering must hold exactly one flash-attention Triton call per layer at the rank's shapes
+(2S = N / C queries over C * J cached blocks plus the N new keys), the all-gathers and the psum
+of the zigzag step, and the donated KV pool, returned in its own dtype (bf16) and shape. A
+lowering error is not caught: it fails the test.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh import worker_mesh
@@ -40,29 +43,34 @@ from pallas_kernels import BlockSizes
 from pallas_kernels.block_sizes import next_pow2
 from tests.pallas_kernels.cuda_lowering import (
     as_module,
+    cuda_mesh,
     donated_arg_types,
     export_for_cuda,
     flash_dots,
     model_config,
     op_counts,
+    result_types,
     triton_calls,
+    triton_launches,
 )
 from vertumnus_jax import kv_move, kv_pool
-from vertumnus_jax.model import Qwen3
+from vertumnus_jax.config import ModelConfig
+from vertumnus_jax.model import Qwen3, init_model
 from vertumnus_jax.prefill import _step
+from vertumnus_jax.worker import Worker
 
 BS, NUM_BLOCKS, LAYERS, VOCAB = 16, 64, 2, 1024  # block size, KV blocks per device
 
 
-def _lowered_step(model, mesh, bucket, prefix_slots, lower):
-    """The prefill step of `model` (2 layers, small vocabulary) for `mesh`, lowered by `lower`
-    (export or trace-and-lower) on abstract arguments; returns (lowered, config)."""
-    cfg = model_config(model, num_layers=LAYERS, vocab_size=VOCAB)
+def _lowered_step(model, mesh, bucket, prefix_slots, lower, cfg=None, interpret=False):
+    """The prefill step of `model` (2 layers, small vocabulary; or of `cfg`) for `mesh`, lowered
+    by `lower` (export or trace-and-lower) on abstract arguments; returns (lowered, config)."""
+    cfg = cfg or model_config(model, num_layers=LAYERS, vocab_size=VOCAB)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
     c = int(mesh.shape["cp"])
     worker = types.SimpleNamespace(  # the fields `_step` reads from a Worker
         config=cfg, cp_degree=c, axis="cp", block_size=BS, graphdef=graphdef,
-        block_sizes=None, interpret=False, mesh=mesh)
+        block_sizes=None, interpret=interpret, mesh=mesh)
     step, new_slots = _step(worker, bucket, prefix_slots)
     rep, sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("cp"))
 
@@ -78,7 +86,7 @@ def _lowered_step(model, mesh, bucket, prefix_slots, lower):
 
 
 def _export(step, args):
-    exported = export_for_cuda(step, *args)
+    exported = export_for_cuda(step, *args, mesh=args[1].sharding.mesh)
     assert exported.platforms == ("cuda",)
     return exported
 
@@ -94,18 +102,26 @@ def _check_step(lowered, cfg, c, bucket, prefix_slots):
     block_q = min(gpu.block_q, max(16, next_pow2(q_len)))
     block_k = min(gpu.block_k, max(16, next_pow2(kv_len)))
     kv_pad = -(-kv_len // block_k) * block_k
+    dt = {"bfloat16": "bf16", "float32": "f32"}[cfg.dtype]
     calls = triton_calls(module)
     assert calls, "no Triton call: the kernel did not lower for the GPU"
+    launches = triton_launches(module)
+    assert launches == cfg.num_layers, (
+        f"{launches} Triton launches for {cfg.num_layers} layers: every layer's attention must "
+        "be the Pallas kernel lowered for the GPU (not interpreted, not dense)")
     for call in calls:
         assert call.grid == (-(-q_len // block_q), 1, cfg.num_q_heads)
         assert call.operand_types[4] == (
-            f"tensor<1x{kv_pad}x{cfg.num_kv_heads}x{cfg.head_dim}xbf16>")
-        assert set(call.dots) == flash_dots(block_q, block_k, cfg.head_dim), call.dots
+            f"tensor<1x{kv_pad}x{cfg.num_kv_heads}x{cfg.head_dim}x{dt}>")
+        assert set(call.dots) == flash_dots(block_q, block_k, cfg.head_dim, dt), call.dots
     ops = op_counts(module)
     assert ops["stablehlo.all_gather"], "no K/V all-gather"
     assert ops["stablehlo.all_reduce"], "no psum of the last hidden row"
-    pool = f"tensor<{c * LAYERS}x{NUM_BLOCKS}x{BS}x{cfg.num_kv_heads}x{cfg.head_dim}xbf16>"
-    assert donated_arg_types(module) == [pool, pool]  # the KV pool is updated in place
+    pool = (f"tensor<{c * cfg.num_layers}x{NUM_BLOCKS}x{BS}x{cfg.num_kv_heads}x"
+            f"{cfg.head_dim}x{dt}>")
+    # The KV pool is donated and returned in its own dtype and shape (updated in place).
+    assert donated_arg_types(module) == [pool, pool], "the K/V pool is not donated"
+    assert result_types(module) == [f"tensor<{cfg.vocab_size}xf32>", "tensor<i32>", pool, pool]
 
 
 # (model, C, bucket N, prefix-block bucket J): every degree at N = 2048 over 4 cached blocks per
@@ -125,7 +141,7 @@ STEP_CASES = [
 
 @pytest.mark.parametrize("model,c,bucket,prefix_slots", STEP_CASES)
 def test_prefill_step_exports_for_cuda_on_abstract_mesh(model, c, bucket, prefix_slots):
-    mesh = AbstractMesh((c,), ("cp",))
+    mesh = cuda_mesh(c)
     exported, cfg = _lowered_step(model, mesh, bucket, prefix_slots, _export)
     assert exported.nr_devices == c
     _check_step(exported, cfg, c, bucket, prefix_slots)
@@ -143,6 +159,34 @@ def test_prefill_step_lowers_for_cuda_on_host_devices(model, first, c):
     lowered, cfg = _lowered_step(model, mesh, 1024, 2, _trace_lower)
     _check_step(lowered, cfg, c, 1024, 2)
 
+
+def test_prefill_step_of_a_default_worker_compiles_on_a_gpu_backend(monkeypatch):
+    # A Worker built with its defaults (interpret=None, as the server builds them) on a GPU host
+    # must run the compiled kernel: `flash_attention` resolves None from jax.default_backend()
+    # when the step is traced, so report "gpu" and lower the step made from the real Worker's
+    # settings (on an abstract H200 mesh) for CUDA.
+    cfg = ModelConfig.tiny()
+    worker = Worker(worker_mesh(jax.devices(), 0, 1), init_model(cfg), num_blocks=NUM_BLOCKS,
+                    block_size=BS)
+    assert worker.interpret is None and worker.block_sizes is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mesh = cuda_mesh(2)
+    stand_in = types.SimpleNamespace(**{k: getattr(worker, k) for k in (
+        "config", "axis", "block_size", "graphdef", "block_sizes", "interpret")},
+        cp_degree=2, mesh=mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    step, new_slots = _step(stand_in, 64, 1)
+    rep, sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("cp"))
+    pool = jax.ShapeDtypeStruct((2 * cfg.num_layers, NUM_BLOCKS, BS, cfg.num_kv_heads,
+                                 cfg.head_dim), jnp.float32, sharding=sh)
+    args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state),
+            pool, pool, *(jax.ShapeDtypeStruct(s, jnp.int32, sharding=sh)
+                          for s in ((2, 32), (2, 1), (2, new_slots))),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+    _check_step(_export(step, args), cfg, 2, 64, 1)
+
+
 def _pool_shape(c):
     cfg = model_config("qwen3-8b", num_layers=LAYERS)
     return (c * LAYERS, NUM_BLOCKS, BS, cfg.num_kv_heads, cfg.head_dim)
@@ -156,23 +200,26 @@ def test_kv_block_moves_export_for_cuda():
     blocks = jax.ShapeDtypeStruct((LAYERS, 8) + _pool_shape(1)[2:], jnp.bfloat16)
     gather = export_for_cuda(kv_move._gather(), pool, pool, ids)
     assert op_counts(gather)["stablehlo.gather"] >= 2
-    assert [a.shape for a in gather.out_avals] == [blocks.shape] * 2
+    assert [(a.shape, a.dtype) for a in gather.out_avals] == [(blocks.shape, blocks.dtype)] * 2
     scatter = export_for_cuda(kv_move._scatter(), pool, pool, ids, blocks, blocks)
     assert op_counts(scatter)["stablehlo.scatter"] >= 2
     pool_type = "tensor<{}xbf16>".format("x".join(map(str, _pool_shape(1))))
-    assert donated_arg_types(scatter) == [pool_type, pool_type]
+    assert donated_arg_types(scatter) == [pool_type, pool_type], "the K/V pool is not donated"
+    assert result_types(scatter) == [pool_type, pool_type]  # written in place, still bf16
 
 
 @pytest.mark.parametrize("c", [1, 2, 4, 8])
 def test_pool_block_write_exports_for_cuda(c):
     # The sharded, donated block write of `KVPool.write_sequence` on a C-rank mesh.
-    mesh = AbstractMesh((c,), ("cp",))
+    mesh = cuda_mesh(c)
     sh = NamedSharding(mesh, P("cp"))
     pool = jax.ShapeDtypeStruct(_pool_shape(c), jnp.bfloat16, sharding=sh)
     dst = jax.ShapeDtypeStruct((c, 4), jnp.int32, sharding=sh)
     new = jax.ShapeDtypeStruct((c, LAYERS, 4) + _pool_shape(c)[2:], jnp.bfloat16, sharding=sh)
-    exported = export_for_cuda(kv_pool._write_fn(mesh, "cp"), pool, pool, dst, new, new)
+    exported = export_for_cuda(kv_pool._write_fn(mesh, "cp"), pool, pool, dst, new, new,
+                               mesh=mesh)
     assert exported.nr_devices == c
     assert op_counts(exported)["stablehlo.scatter"] >= 2
     pool_type = "tensor<{}xbf16>".format("x".join(map(str, _pool_shape(c))))
-    assert donated_arg_types(exported) == [pool_type, pool_type]
+    assert donated_arg_types(exported) == [pool_type, pool_type], "the K/V pool is not donated"
+    assert result_types(exported) == [pool_type, pool_type]  # written in place, still bf16

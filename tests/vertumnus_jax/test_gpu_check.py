@@ -6,14 +6,21 @@ budget, error recording, flags) hold on hand-made cases."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
 
-from vertumnus_jax import gpu_check, gpu_check_kernel, gpu_check_profile, gpu_check_timing
+from vertumnus_jax import (gpu_check, gpu_check_kernel, gpu_check_profile, gpu_check_report,
+                           gpu_check_timing)
 from serving.policy.profiles import read_profile_csv
 
 FILES = ("results.json", "results.md", "summary.txt", "profile.csv", "profile_measured.csv")
@@ -134,6 +141,15 @@ def test_tolerance_check_catches_a_wrong_kernel_output():
     # Within tolerance: every element off by a bf16 rounding step passes.
     assert gpu_check_kernel.check_tolerance(out * (1 + 2 ** -8), lse, out, lse,
                                             "bfloat16")["pass"]
+    # ... but an output scaled by 1.02 fails (wherever |ref| > 2), and so does an LSE off by 5e-3
+    assert np.abs(out).max() > 2.5
+    assert not gpu_check_kernel.check_tolerance(out * 1.02, lse, out, lse, "bfloat16")["pass"]
+    assert not gpu_check_kernel.check_tolerance(out, lse + 5e-3, out, lse, "bfloat16")["pass"]
+    # One bf16 step of the output (2^-7 |ref| at a power of two) uses at most ~half the bound.
+    ref = np.asarray([2.0, 4.0, 8.0, 0.5], np.float32)[None, :, None, None]
+    res = gpu_check_kernel.check_tolerance(ref * (1 + 2 ** -7), np.zeros((1, 4, 1)), ref,
+                                           np.zeros((1, 4, 1)), "bfloat16")
+    assert res["pass"] and res["worst_ratio"] < 0.53
 
 
 def test_scaling_to_full_depth():
@@ -187,3 +203,79 @@ def test_flags_build_the_config():
     assert cfg.timing_causal == (4096, 16384, 32768) and cfg.timing_prefix == ((4096, 28672),)
     assert cfg.timing_heads == (32, 8, 128) and cfg.budget_s < 480
     assert cfg.out_dir.startswith("pallas_kernels/results/gpu_check-")
+
+
+def test_gpu_targets_fail_on_a_failing_kernel():
+    err = {"error": "XlaRuntimeError: INTERNAL: Triton compilation failed: out of resource"}
+    timing = {"interpret": False, "status": "done", "cases": [
+        {"case": "causal 16384", "new": 16384, "cached": 0, "impls": {
+            "pallas": err, "cudnn": {"ms": 10.0, "tflops": 220.0}, "xla": {"ms": 30.0}}},
+        {"case": "causal 4096", "new": 4096, "cached": 0, "impls": {
+            "pallas": {"ms": 1.0, "tflops": 300.0}, "cudnn": {"ms": 1.0}}, "ratio": 1.0}]}
+    data = {"config": {"dry_run": False, "interpret": False}, "parts": {
+        "kernel": {"status": "error", "error": "RuntimeError: boom"}, "timing": timing}}
+    kernel, tflops, ratio, prof = gpu_check_report.targets(data)
+    assert kernel["pass"] is False and "boom" in kernel["value"]
+    assert tflops["pass"] is False and "Triton" in tflops["value"]
+    assert ratio["pass"] is False and "pallas failed on 1 case" in ratio["value"]
+    assert "no reference ran" not in ratio["value"] and prof["pass"] is None
+    # No 16K case on a GPU run: FAIL "not measured", never judged on a smaller stand-in.
+    timing["cases"] = timing["cases"][1:]
+    _, tflops, ratio, _ = gpu_check_report.targets(data)
+    assert tflops["pass"] is False and "not measured" in tflops["value"]
+    assert "stand-in" not in tflops["name"] and ratio["pass"] is True
+    # The timing part failing before its first case is a FAIL too ...
+    data["parts"]["timing"] = {"status": "error", "error": "MemoryError: inputs"}
+    _, tflops, ratio, _ = gpu_check_report.targets(data)
+    assert tflops["pass"] is False and ratio["pass"] is False and "MemoryError" in ratio["value"]
+    # ... and in a dry run (interpret mode) the performance targets are only shown.
+    data["config"] = {"dry_run": True, "interpret": True}
+    data["parts"]["timing"] = dict(timing, interpret=True)
+    _, tflops, ratio, _ = gpu_check_report.targets(data)
+    assert tflops["pass"] is None and ratio["pass"] is None and "stand-in" in tflops["name"]
+
+
+def test_zero_budget_skips_the_profile_before_building_anything(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(gpu_check_profile, "_worker", lambda *a: built.append(a))
+    cfg = gpu_check.dry_run_config(out_dir=str(tmp_path), parts=("profile",), budget_s=0.0)
+    data = gpu_check.run_check(cfg)
+    prof = data["parts"]["profile"]
+    assert built == [] and prof["status"] == "partial" and prof["points"] == []
+    assert "out of budget" in prof["probe"]["1"]["skipped"]
+    assert len(prof["skipped"]) == 4 and all("reason" in p for p in prof["skipped"])
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "profile.csv" not in summary and not (tmp_path / "profile.csv").exists()
+
+
+def test_sigterm_writes_the_report_and_exits_nonzero(tmp_path):
+    out = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "vertumnus_jax.gpu_check", "--dry_run",
+                             f"--out_dir={out}"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the kernel part is under way
+            try:
+                parts = json.loads((out / "results.json").read_text())["parts"]
+            except (OSError, ValueError, KeyError):
+                parts = {}
+            if parts.get("kernel", {}).get("cases"):
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, log
+    data = json.loads((out / "results.json").read_text())
+    assert data["interrupted"] == "SIGTERM" and "targets" in data, log
+    statuses = {name: p["status"] for name, p in data["parts"].items()}
+    assert "interrupted" in statuses.values() and "running" not in statuses.values(), statuses
+    summary = (out / "summary.txt").read_text()
+    assert "INTERRUPTED by SIGTERM" in summary and "targets:" in summary
+    assert (out / "results.md").is_file()
