@@ -1,6 +1,7 @@
 """The HTTP API of the prefill pool (FastAPI), OpenAI-compatible where it can be.
 
 Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`,
+`POST /tokenize`, `POST /detokenize`, `GET /version` (as vLLM's, `serving.api_tokens`),
 `GET /v1/workers`, and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
 `POST /reset_prefix_cache` (as vLLM's). Errors use OpenAI's
 body `{"error": {"message", "type", "param", "code"}}`; every validation error is a 400 naming
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 import time
 import uuid
 
@@ -37,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
 from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, Engine,
                             Overloaded, ShuttingDown)
+from serving.api_tokens import add_token_routes
 from serving.http_gate import RequestGate, error_response
 from serving.policy.reconfiguration import StrandedRequests
 from serving.prom import ServingMetrics
@@ -69,6 +72,7 @@ def _field(loc) -> str:
 
 
 def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
+               served_model_names: Sequence[str] = (),
                api_key: str | None = None, admin_api_key: str | None = None,
                shutdown_timeout: float | None = None,
                max_body_bytes: int = 16 << 20, body_timeout: float = 30.0) -> FastAPI:
@@ -78,6 +82,8 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
       engine: the pool; started and shut down by the app's lifespan.
       tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str` (`serving.tokenizer`).
       model_name: the name `/v1/models` reports and `model` fields must match.
+      served_model_names: names to serve under instead (vLLM's `--served-model-name`): a
+        request's `model` may be any of them and is echoed; the first is the default.
       vocab_size: token ids must be in `[0, vocab_size)`.
       api_key: when set, every endpoint wants `Authorization: Bearer <api_key>`.
       admin_api_key: the key of `/v1/workers/split` and `/merge` (disabled when None).
@@ -90,6 +96,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
       ValueError: `max_body_bytes < 1` or `body_timeout` not a finite number > 0.
     """
     metrics = ServingMetrics(engine)
+    names = list(served_model_names) or [model_name]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -158,9 +165,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{model_name!r}", "model", "not_found_error")
+        check_model(body.model)
         if body.max_tokens > 1:
             raise ApiError(400, f"max_tokens={body.max_tokens}: this is a prefill pool, it "
                                 "produces the first token only (max_tokens=1); decode runs in a "
@@ -198,14 +203,16 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                         "workers", "prompt", "service_unavailable",
                                    {"Retry-After": "1"})
                 raise ApiError(500, c.record.error, None, "server_error")
-        return _response(results, model_name, tokenizer)
+        rid = request.headers.get("x-request-id")  # checked by the gate, echoed by it
+        return _response(results, body.model or names[0], tokenizer,
+                         f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "owned_by": "vertumnus",
+            "id": name, "object": "model", "owned_by": "vertumnus", "root": names[0],
             "max_model_len": engine.config.max_model_len, "vocab_size": vocab_size,
-            "block_size": engine.config.block_size, "created": 0}]}
+            "block_size": engine.config.block_size, "created": 0} for name in names]}
 
     @app.get("/health")
     async def health():
@@ -261,6 +268,14 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(400, str(e), "worker_ids") from None
         return {"epoch": epoch, "status": "draining"}
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, names))}", "model", "not_found_error")
+
+    add_token_routes(app, tokenizer=tokenizer, vocab_size=vocab_size,
+                     max_model_len=engine.max_prompt_len, check_model=check_model,
+                     error=lambda status, message, param: ApiError(status, message, param))
     return app
 
 
@@ -271,7 +286,7 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def _response(results: list[Completion], model_name: str, tokenizer) -> dict:
+def _response(results: list[Completion], model_name: str, tokenizer, completion_id: str) -> dict:
     choices, prompt_tokens, cached = [], 0, 0
     for i, c in enumerate(results):
         r, live = c.record, c.prefill
@@ -287,7 +302,7 @@ def _response(results: list[Completion], model_name: str, tokenizer) -> dict:
         cached += r.cached_len
     first = choices[0]
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "id": completion_id, "object": "text_completion", "created": int(time.time()),
         "model": model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(choices),
                   "total_tokens": prompt_tokens + len(choices),

@@ -12,7 +12,9 @@ still reports `http.disconnect`). For each HTTP request it
    has not arrived within `body_timeout` seconds of the headers (a client that sends headers
    and part of a body holds no connection longer than that);
 4. hands the app the body it read, then the connection's own `receive` (so the endpoint sees
-   the client disconnect).
+   the client disconnect);
+5. echoes a request's `X-Request-Id` on its response (as vLLM does), after checking it is at
+   most `MAX_REQUEST_ID` printable ASCII characters without spaces (400 otherwise).
 
 413 and 408 carry `Connection: close`; after a 413 the rest of what the client is still sending
 is read and dropped while it keeps coming (until `linger` seconds pass without data, at most
@@ -35,6 +37,16 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 ADMIN_PATHS = ("/v1/workers/split", "/v1/workers/merge", "/reset_prefix_cache")
+MAX_REQUEST_ID = 128  # characters of an X-Request-Id
+
+
+def request_id_problem(value: str) -> str | None:
+    """Why `value` cannot be an `X-Request-Id` (None when it can)."""
+    if not value or len(value) > MAX_REQUEST_ID:
+        return f"X-Request-Id must have 1 to {MAX_REQUEST_ID} characters, got {len(value)}"
+    if not (value.isascii() and value.isprintable()) or " " in value:
+        return "X-Request-Id must be printable ASCII without spaces"
+    return None
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -95,6 +107,13 @@ class RequestGate:
         if denied is not None:
             await denied(scope, receive, send)
             return
+        rid = headers.get("x-request-id")
+        if rid is not None:
+            problem = request_id_problem(rid)
+            if problem:
+                await error_response(400, problem, "X-Request-Id")(scope, receive, send)
+                return
+            send = _echo_request_id(send, rid)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
         chunks, total, more = [], 0, True
@@ -167,3 +186,13 @@ class RequestGate:
         except (asyncio.TimeoutError, asyncio.CancelledError):  # quiet, or the server stops
             pass
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _echo_request_id(send, rid: str):
+    """`send` adding `X-Request-Id: rid` to the response's headers."""
+    async def echo(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (b"x-request-id", rid.encode())]}
+        await send(message)
+    return echo

@@ -36,6 +36,9 @@ _MODEL = flags.DEFINE_string("model", "tiny", "Built-in model with seeded random
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Local Hugging Face checkpoint directory "
                                   "(config.json, *.safetensors, tokenizer.json); overrides --model.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the built-in model's random weights.")
+_SERVED_NAMES = flags.DEFINE_list("served_model_name", [], "Names the API serves the model under "
+                                  "(vLLM's --served-model-name): requests may name any, the "
+                                  "first is the default; empty: the model's name.")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the pool (on CPU: host "
                                     "devices to create).", lower_bound=1)
 _COMPOSITION = flags.DEFINE_string("composition", "auto", "Initial CP degrees in device order, "
@@ -167,7 +170,9 @@ def server_config() -> ServerConfig:
                         admin_api_key=api_key(_ADMIN_KEY.value, _ADMIN_KEY_FILE.value,
                                               "VERTUMNUS_ADMIN_API_KEY"),
                         shutdown_timeout=_SHUTDOWN.value, body_timeout=_BODY_TIMEOUT.value,
-                        router=_ROUTER.value)
+                        router=_ROUTER.value,
+                        served_model_names=tuple(n.strip() for n in _SERVED_NAMES.value
+                                                 if n.strip()))
 
 
 def main(argv):

@@ -48,6 +48,7 @@ class ServerConfig:
       interpret: Pallas interpret mode (None: exactly on CPU).
       router: None for `VertumnusRouter(beta, lam)`, or "module:Class" naming a router class
         (`serving.policy.plugins.router_from_spec`), the same plug-ins `eval.replay` takes.
+      served_model_names: names the API serves the model under (empty: the model's name).
       min_bucket: smallest padded length of a prefill's uncached tokens (a power of two);
         fewer distinct lengths mean fewer compilations.
     """
@@ -68,6 +69,7 @@ class ServerConfig:
     interpret: bool | None = None
     min_bucket: int = 16
     router: str | None = None
+    served_model_names: tuple[str, ...] = ()
 
 
 def usable_degrees(config: ServerConfig, num_devices: int) -> list[int]:
@@ -178,6 +180,7 @@ def build_app(config: ServerConfig, devices: Sequence):
 
     engine, tokenizer, name, vocab = build_engine(config, devices)
     return create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
+                      served_model_names=config.served_model_names,
                       api_key=config.api_key, admin_api_key=config.admin_api_key,
                       shutdown_timeout=config.shutdown_timeout,
                       body_timeout=config.body_timeout)

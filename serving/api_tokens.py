@@ -1,0 +1,78 @@
+"""vLLM's auxiliary endpoints: `POST /tokenize`, `POST /detokenize`, `GET /version`.
+
+Bodies and answers follow vLLM's OpenAI server (`vllm/entrypoints/openai/api_server.py`):
+`/tokenize` takes `{"model"?, "prompt"}` and answers `{"count", "max_model_len", "tokens"}`;
+`/detokenize` takes `{"model"?, "tokens"}` and answers `{"prompt"}`; `/version` answers
+`{"version"}` (this package's version).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Sequence
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: text to token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def package_version() -> str:
+    """This package's installed version (`vertumnus-jax`), or "unknown" when not installed."""
+    try:
+        return importlib.metadata.version("vertumnus-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len: int,
+                     check_model: Callable[[str | None], None],
+                     error: Callable[[int, str, str], Exception]) -> None:
+    """Adds `/tokenize`, `/detokenize` and `/version` to `app`.
+
+    Args:
+      tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str`.
+      vocab_size: token ids must be in `[0, vocab_size)`.
+      max_model_len: reported by `/tokenize` (tokens).
+      check_model: raises the API's 404 for a `model` the server does not serve.
+      error: `(status, message, param) -> exception` the app answers with OpenAI's error body.
+    """
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        try:
+            ids = tokenizer.encode(body.prompt)
+        except UnicodeError as e:
+            raise error(400, f"prompt is not valid Unicode text ({e})", "prompt") from None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        _check_ids(body.tokens, vocab_size, error)
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, error) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        k, t = next((k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise error(400, f"tokens[{k}] = {t} is not a token id in [0, {vocab_size})", "tokens")
