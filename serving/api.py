@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
 from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, Engine,
                             Overloaded, ShuttingDown)
+from serving.api_stream import streaming_response
 from serving.api_tokens import add_token_routes
 from serving.http_gate import RequestGate, error_response
 from serving.policy.reconfiguration import StrandedRequests
@@ -204,8 +205,12 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                    {"Retry-After": "1"})
                 raise ApiError(500, c.record.error, None, "server_error")
         rid = request.headers.get("x-request-id")  # checked by the gate, echoed by it
-        return _response(results, body.model or names[0], tokenizer,
-                         f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}")
+        answer = _response(results, body.model or names[0], tokenizer,
+                           f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}")
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return streaming_response(answer, include)
+        return answer
 
     @app.get("/v1/models")
     async def models():

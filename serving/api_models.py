@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API (pydantic), after OpenAI's completions API.
 
 Known OpenAI fields that a prefill pool cannot honour are accepted only with their neutral value
-(`n=1`, `stream=false`, `echo=false`, ...) so a client never silently gets something else than it
+(`n=1`, `echo=false`, ...) so a client never silently gets something else than it
 asked for; a known field of the wrong type is a 400 naming it. Fields this API does not know
 are ignored and logged, as vLLM's OpenAI server does (its clients send sampling extras such as
 `top_k`, `ignore_eos`, `min_tokens`; the first token here is greedy, so they change nothing).
@@ -14,6 +14,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with `usage` (and no
+    choices) before `data: [DONE]`."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
 class CompletionRequest(BaseModel):
     """`POST /v1/completions`.
 
@@ -22,6 +30,8 @@ class CompletionRequest(BaseModel):
       prompt: text, token ids, or a batch of either (one choice per prompt).
       max_tokens: 1 (the prefill pool produces the first token only; decode runs elsewhere).
       temperature, top_p, seed: accepted; the first token is greedy (argmax).
+      stream: answer as server-sent events (`serving.api_stream`); `stream_options` as
+        OpenAI's.
       kv_transfer_params: vLLM's disaggregated-prefill field, accepted and ignored on input.
     """
 
@@ -38,6 +48,7 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     n: StrictInt = Field(1, ge=1, le=1)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     user: str | None = None
@@ -49,7 +60,7 @@ class CompletionRequest(BaseModel):
     def _prompt_shape(cls, v):
         return check_prompt_shape(v)
 
-    @field_validator("stream", "echo")
+    @field_validator("echo")
     @classmethod
     def _false_only(cls, v: bool, info) -> bool:
         if v:

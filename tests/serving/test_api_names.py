@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 from fastapi.testclient import TestClient
 
@@ -47,3 +48,36 @@ def test_tokenize_detokenize_version():
         assert r.status_code == 400 and "tokens[1] = 256" in r.json()["error"]["message"]
         assert c.post("/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
         assert c.get("/version").json() == {"version": importlib.metadata.version("vertumnus-jax")}
+
+
+def _events(text: str) -> list:
+    out = []
+    for block in text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_stream_sends_the_first_token_then_usage_then_done():
+    c, _ = make_client()
+    with c:
+        plain = c.post("/v1/completions", json={"prompt": [[1, 2], [3, 4, 5]]}).json()
+        r = c.post("/v1/completions", json={"prompt": [[1, 2], [3, 4, 5]], "stream": True,
+                                            "stream_options": {"include_usage": True}},
+                   headers={"X-Request-Id": "s-1"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r.text)
+        assert events[-1] == "[DONE]" and len(events) == 4
+        firsts = [e["choices"][0] for e in events[:2]]
+        assert [ch["token_ids"] for ch in firsts] == [ch["token_ids"] for ch in plain["choices"]]
+        assert [ch["index"] for ch in firsts] == [0, 1]
+        assert all(ch["finish_reason"] == "length" for ch in firsts)
+        assert {e["id"] for e in events[:3]} == {"cmpl-s-1"}
+        assert events[2]["choices"] == [] and events[2]["usage"]["prompt_tokens"] == 5
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "stream": True})
+        assert [e if e == "[DONE]" else e["object"] for e in _events(r.text)] == [
+            "text_completion", "[DONE]"]  # no usage chunk unless asked
+        r = c.post("/v1/completions", json={"prompt": [1, 999], "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # before streaming
