@@ -39,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
 from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, Engine,
                             Overloaded, ShuttingDown)
+from serving.api_chat import (CHATML_TEMPLATE, ChatCompletionRequest, ChatTemplate, chat_answer,
+                              chat_chunks)
 from serving.api_stream import streaming_response
 from serving.api_tokens import add_token_routes
 from serving.http_gate import RequestGate, error_response
@@ -73,7 +75,7 @@ def _field(loc) -> str:
 
 
 def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
-               served_model_names: Sequence[str] = (),
+               served_model_names: Sequence[str] = (), chat_template: str = CHATML_TEMPLATE,
                api_key: str | None = None, admin_api_key: str | None = None,
                shutdown_timeout: float | None = None,
                max_body_bytes: int = 16 << 20, body_timeout: float = 30.0) -> FastAPI:
@@ -85,6 +87,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
       model_name: the name `/v1/models` reports and `model` fields must match.
       served_model_names: names to serve under instead (vLLM's `--served-model-name`): a
         request's `model` may be any of them and is echoed; the first is the default.
+      chat_template: the jinja2 chat template of `/v1/chat/completions` (`serving.api_chat`).
       vocab_size: token ids must be in `[0, vocab_size)`.
       api_key: when set, every endpoint wants `Authorization: Bearer <api_key>`.
       admin_api_key: the key of `/v1/workers/split` and `/merge` (disabled when None).
@@ -98,6 +101,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     """
     metrics = ServingMetrics(engine)
     names = list(served_model_names) or [model_name]
+    template = ChatTemplate(chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -145,8 +149,8 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         return _error(exc.status_code, str(exc.detail), None,
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
-    def _tokens(prompt, index: int, batch: bool) -> list[int]:
-        param = f"prompt[{index}]" if batch else "prompt"
+    def _tokens(prompt, index: int, batch: bool, param: str | None = None) -> list[int]:
+        param = param or (f"prompt[{index}]" if batch else "prompt")
         try:
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         except UnicodeError as e:
@@ -185,31 +189,29 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                 f"the server ever admits at once (max_in_flight="
                                 f"{engine.config.max_in_flight})", "prompt")
         token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
-        try:
-            results = await engine.prefill_many(token_lists,
-                                                disconnected=lambda: _disconnected(request.receive))
-        except Overloaded as e:
-            metrics.rejected.labels("overloaded").inc(len(token_lists))
-            raise ApiError(429, str(e), None, "rate_limit_error",
-                           {"Retry-After": str(e.retry_after)}) from None
-        except ShuttingDown as e:
-            metrics.rejected.labels("shutting_down").inc(len(token_lists))
-            raise ApiError(503, str(e), None, "service_unavailable") from None
-        except ClientDisconnected as e:  # nobody reads this answer; 499 as nginx logs it
-            return _error(499, str(e), None, "client_closed_request")
-        for c in results:
-            if not c.record.ok:
-                if c.record.worker_id is None:  # valid, but no worker of this composition fits
-                    raise ApiError(503, f"{c.record.error}; retry when the pool has merged "
-                                        "workers", "prompt", "service_unavailable",
-                                   {"Retry-After": "1"})
-                raise ApiError(500, c.record.error, None, "server_error")
+        results = await run_prompts(token_lists, request)
         rid = request.headers.get("x-request-id")  # checked by the gate, echoed by it
         answer = _response(results, body.model or names[0], tokenizer,
                            f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}")
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return streaming_response(answer, include)
+        return answer
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = template.render(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        results = await run_prompts([_tokens(text, 0, False, "messages")], request)
+        completion = _response(results, body.model or names[0], tokenizer, "")
+        answer = chat_answer(completion, request.headers.get("x-request-id"))
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return streaming_response(chat_chunks(answer), include)
         return answer
 
     @app.get("/v1/models")
@@ -272,6 +274,29 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         except ValueError as e:
             raise ApiError(400, str(e), "worker_ids") from None
         return {"epoch": epoch, "status": "draining"}
+
+    async def run_prompts(token_lists: list[list[int]], request: Request) -> list[Completion]:
+        """Prefills validated prompts; maps the engine's refusals and failures to ApiError."""
+        try:
+            results = await engine.prefill_many(token_lists,
+                                                disconnected=lambda: _disconnected(request.receive))
+        except Overloaded as e:
+            metrics.rejected.labels("overloaded").inc(len(token_lists))
+            raise ApiError(429, str(e), None, "rate_limit_error",
+                           {"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown as e:
+            metrics.rejected.labels("shutting_down").inc(len(token_lists))
+            raise ApiError(503, str(e), None, "service_unavailable") from None
+        except ClientDisconnected as e:  # nobody reads this answer; 499 as nginx logs it
+            raise ApiError(499, str(e), None, "client_closed_request") from None
+        for c in results:
+            if not c.record.ok:
+                if c.record.worker_id is None:  # valid, but no worker of this composition fits
+                    raise ApiError(503, f"{c.record.error}; retry when the pool has merged "
+                                        "workers", "prompt", "service_unavailable",
+                                   {"Retry-After": "1"})
+                raise ApiError(500, c.record.error, None, "server_error")
+        return results
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:

@@ -177,10 +177,12 @@ def build_engine(config: ServerConfig, devices: Sequence):
 def build_app(config: ServerConfig, devices: Sequence):
     """The FastAPI app serving `config` on `devices` (started by its lifespan)."""
     from serving.api import create_app
+    from serving.api_chat import load_chat_template
 
     engine, tokenizer, name, vocab = build_engine(config, devices)
     return create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
                       served_model_names=config.served_model_names,
+                      chat_template=load_chat_template(config.checkpoint),
                       api_key=config.api_key, admin_api_key=config.admin_api_key,
                       shutdown_timeout=config.shutdown_timeout,
                       body_timeout=config.body_timeout)
