@@ -356,7 +356,10 @@ def main(argv):
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"gpu_check: interrupted by {signal.Signals(signum).name}; the report above has "
               "what was measured", file=sys.stderr, flush=True)
-        sys.exit(128 + int(signum))
+        sys.stdout.flush()
+        # Every file is written; skip the interpreter's teardown, which can crash in XLA's
+        # when a computation was cut short (a segfault in 1 of several runs here).
+        os._exit(128 + int(signum))
 
 
 if __name__ == "__main__":
