@@ -20,6 +20,8 @@ one process, e.g. in tests).
 | `vertumnus:num_requests_running` | gauge | worker_id, cp_degree | requests |
 | `vertumnus:worker_epoch` | gauge | worker_id, cp_degree, status | epoch |
 | `vertumnus:kv_cache_usage_blocks` | gauge | worker_id, cp_degree | blocks |
+| `vertumnus:kv_cache_usage_perc` | gauge | worker_id, cp_degree | fraction of the worker's KV blocks held by its prefix cache, in [0, 1] (vLLM's name) |
+| `process_*`, `python_*` | prometheus-client's process, platform and GC collectors | | |
 | `vertumnus:workers` | gauge | cp_degree | workers (the composition) |
 | `vertumnus:reconfigurations_total` | counter | kind | operations finished |
 | `vertumnus:replications_total`, `vertumnus:reclamations_total` | counter | | operations |
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 from collections import Counter as _Tally
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, Counter, Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's TTFT buckets (vllm/engine/metrics.py), seconds.
@@ -59,6 +62,9 @@ class _PoolCollector:
                                   labels=labels + ["status"])
         usage = GaugeMetricFamily("vertumnus:kv_cache_usage_blocks",
                                   "KV blocks held by a worker's prefix cache.", labels=labels)
+        perc = GaugeMetricFamily("vertumnus:kv_cache_usage_perc",
+                                 "Fraction of a worker's KV blocks held by its prefix cache, in "
+                                 "[0, 1].", labels=labels)
         workers = GaugeMetricFamily("vertumnus:workers", "Workers per CP degree (composition).",
                                     labels=["cp_degree"])
         if engine.scheduler is not None:
@@ -69,9 +75,10 @@ class _PoolCollector:
                 running.add_metric(lv, int(w["running"]))
                 epoch.add_metric(lv + [w["status"]], w["epoch"])
                 usage.add_metric(lv, w["kv_blocks_cached"])
+                perc.add_metric(lv, w["kv_blocks_cached"] / max(1, w["kv_blocks_total"]))
             for c, n in sorted(_Tally(w["cp_degree"] for w in rows).items()):
                 workers.add_metric([str(c)], n)
-        yield from (waiting, running, epoch, usage, workers)
+        yield from (waiting, running, epoch, usage, perc, workers)
         recs = CounterMetricFamily("vertumnus:reconfigurations", "Finished splits and merges.",
                                    labels=["kind"])
         reps = CounterMetricFamily("vertumnus:replications", "Finished prefix copies.")
@@ -122,6 +129,8 @@ class ServingMetrics:
         self.cache_hits = Counter("vertumnus:prefix_cache_hits",
                                   "Prompt tokens served from the prefix cache.", registry=r)
         r.register(_PoolCollector(engine))
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)  # process_*, python_info, python_gc_* (as vLLM exports)
 
     def observe(self, completion) -> None:
         """Counts one finished request (`serving.engine.Completion`)."""

@@ -110,6 +110,14 @@ def test_metrics_parse_and_count(client):
     workers = {s.labels["cp_degree"]: s.value for s in fams["vertumnus:workers"].samples}
     assert workers == {"2": 2, "4": 1}
     assert "vertumnus:num_requests_waiting" in fams and "vertumnus:reconfigurations" in fams
+    blocks = {s.labels["worker_id"]: s.value
+              for s in fams["vertumnus:kv_cache_usage_blocks"].samples}
+    perc = {s.labels["worker_id"]: s.value for s in fams["vertumnus:kv_cache_usage_perc"].samples}
+    totals = {str(w["worker_id"]): w["kv_blocks_total"] for w in client.get("/v1/workers").json()[
+        "workers"]}
+    assert perc == {w: blocks[w] / totals[w] for w in blocks} and max(perc.values()) > 0
+    assert "process_resident_memory_bytes" in fams or "process_cpu_seconds" in fams
+    assert "python_info" in fams
 
 
 def test_api_key_everywhere():
