@@ -42,7 +42,7 @@ from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, 
 from serving.api_chat import (CHATML_TEMPLATE, ChatCompletionRequest, ChatTemplate, chat_answer,
                               chat_chunks)
 from serving.api_stream import streaming_response
-from serving.api_tokens import add_token_routes
+from serving.api_tokens import add_token_routes, check_token_ids
 from serving.http_gate import RequestGate, error_response
 from serving.policy.reconfiguration import StrandedRequests
 from serving.prom import ServingMetrics
@@ -162,10 +162,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(400, f"{param} has {len(ids)} tokens, more than the maximum of "
                                 f"{limit} (max_model_len, and the KV blocks of the largest "
                                 "worker the pool can form)", param)
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            k, t = next((k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size)
-            raise ApiError(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})",
-                           param)
+        check_token_ids(ids, vocab_size, param, ApiError)
         return ids
 
     @app.post("/v1/completions")
@@ -305,7 +302,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
 
     add_token_routes(app, tokenizer=tokenizer, vocab_size=vocab_size,
                      max_model_len=engine.max_prompt_len, check_model=check_model,
-                     error=lambda status, message, param: ApiError(status, message, param))
+                     error=ApiError)
     return app
 
 

@@ -64,7 +64,7 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        _check_ids(body.tokens, vocab_size, error)
+        check_token_ids(body.tokens, vocab_size, "tokens", error)
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/version")
@@ -72,7 +72,9 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
         return {"version": package_version()}
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int, error) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str, error) -> None:
+    """Raises `error(400, "<param>[k] = t is not a token id in [0, vocab_size)", param)` for the
+    first id out of range (one `min` / `max` pass when all are in range)."""
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         k, t = next((k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size)
-        raise error(400, f"tokens[{k}] = {t} is not a token id in [0, {vocab_size})", "tokens")
+        raise error(400, f"{param}[{k}] = {t} is not a token id in [0, {vocab_size})", param)

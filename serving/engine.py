@@ -87,6 +87,12 @@ class Engine:
         self.degrees = tuple(sorted(set(degrees) if degrees else {w.cp_degree for w in workers}))
         self._deadline: asyncio.TimerHandle | None = None
         self._forced = False
+        reach = {w.cp_degree for w in self._specs}  # degrees merges can reach (max_prompt_len)
+        for c in sorted(reach):
+            while 2 * c in self.degrees and 2 * c <= num_devices:
+                c *= 2
+                reach.add(c)
+        self._max_prompt_len = config.max_input_len(max(reach))
         self._logged = 0  # finished reconfigurations already logged
 
     @property
@@ -94,13 +100,9 @@ class Engine:
         """Longest prompt the pool can ever take (tokens): `max_model_len`, and the KV blocks of
         a worker of the largest degree merges can reach from the initial workers through the
         allowed degrees (C -> 2C -> ..., each in `degrees`, at most `num_devices`). A shorter
-        prompt that no worker of the current composition can hold is refused with 503."""
-        reach = {w.cp_degree for w in self._specs}
-        for c in sorted(reach):
-            while 2 * c in self.degrees and 2 * c <= self.num_devices:
-                c *= 2
-                reach.add(c)
-        return self.config.max_input_len(max(reach))
+        prompt that no worker of the current composition can hold is refused with 503.
+        Fixed at construction (the API checks it for every prompt)."""
+        return self._max_prompt_len
 
     def now(self) -> float:
         """Seconds since the engine was built (monotonic)."""

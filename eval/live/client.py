@@ -29,6 +29,10 @@ from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import scale_to_rate, tool_agent_workload
 from serving.policy.request import Request, RequestRecord
 
+# `GET /v1/workers` with every finished split and merge the server keeps (it keeps the latest 256;
+# `reconfigurations_total` counts them all).
+_WORKERS_ALL = "/v1/workers?reconfigurations=256"
+
 
 def workload(trace: str, fmt: str, duration: float, rate: float, seed: int,
              trace_block_size: int) -> tuple[list[Request] | SessionWorkload, str]:
@@ -100,7 +104,7 @@ async def replay(url: str, pairs: list[tuple[Request, list[int]]], api_key: str 
         t0 = time.perf_counter()
         records = await asyncio.gather(*(_send(client, t0, r, p, headers, lags, server_ttft)
                                          for r, p in pairs))
-        state = (await client.get("/v1/workers?reconfigurations=256", headers=headers)).json()
+        state = (await client.get(_WORKERS_ALL, headers=headers)).json()
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
     return list(records), state
@@ -156,7 +160,7 @@ async def replay_sessions(url: str, loop: ClosedLoop,
         schedule(loop.start())
         while tasks:
             await asyncio.gather(*list(tasks))
-        state = (await client.get("/v1/workers?reconfigurations=256", headers=headers)).json()
+        state = (await client.get(_WORKERS_ALL, headers=headers)).json()
     state["max_send_lag_s"] = max(lags, default=0.0)
     state["server_ttft_s"] = server_ttft
     state["unsent_requests"] = loop.total_requests() - sent

@@ -181,12 +181,7 @@ class Reconfigurations:
         after = [w.spec for wid, w in workers.items() if wid not in leaving]
         after += [s for r in self.in_progress.values() for s in r.new_specs] + list(new_specs)
 
-        def fits(r: Request) -> bool:
-            need = -(-r.input_len // r.block_size)
-            return any(r.input_len <= s.max_input_len and need <= s.kv_capacity_blocks
-                       for s in after)
-
-        stranded = [r for r in waiting if not fits(r)]
+        stranded = [r for r in waiting if not any(s.can_hold(r) for s in after)]
         if stranded:
             largest = max((s.max_input_len for s in after), default=0)
             ids = ", ".join(repr(r.request_id) for r in stranded[:8])
@@ -211,8 +206,7 @@ class Reconfigurations:
 
     def will_hold(self, request: Request) -> bool:
         """Whether a worker still being created (a change's new spec) can hold `request`."""
-        need = -(-request.input_len // request.block_size)
-        return any(request.input_len <= spec.max_input_len and need <= spec.kv_capacity_blocks
+        return any(spec.can_hold(request)
                    for rec in self.in_progress.values() for spec in rec.new_specs)
 
     def close(self, epoch: int) -> Reconfiguration:

@@ -62,6 +62,12 @@ class WorkerSpec:
         """Device indices of the group, `[first_device, first_device + cp_degree)`."""
         return range(self.first_device, self.first_device + self.cp_degree)
 
+    def can_hold(self, request: Request) -> bool:
+        """True when a worker of this spec can ever prefill `request`: `input_len <=
+        max_input_len` and its `ceil(input_len / block_size)` blocks fit the KV capacity."""
+        return (request.input_len <= self.max_input_len
+                and -(-request.input_len // request.block_size) <= self.kv_capacity_blocks)
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class WorkerState:
@@ -112,9 +118,8 @@ class WorkerState:
         return len(self.queue) + (self.running is not None)
 
     def can_hold(self, request: Request) -> bool:
-        """True when the worker can ever prefill `request` (length and KV capacity)."""
-        return (request.input_len <= self.spec.max_input_len
-                and -(-request.input_len // request.block_size) <= self.spec.kv_capacity_blocks)
+        """True when the worker can ever prefill `request` (`WorkerSpec.can_hold`)."""
+        return self.spec.can_hold(request)
 
 
 def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_len: int,
