@@ -183,18 +183,36 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+# The signal being delivered: raised by the handler, and again at the next `check_interrupted`
+# when the handler's raise was swallowed (a signal that lands inside a GC callback or a
+# `__del__` is printed as "Exception ignored" and lost). `delivered` once `main` has it.
+_SIGNAL = {"signum": None, "delivered": False}
+
+
 def install_signal_handlers() -> None:
-    """SIGTERM and SIGINT raise `Interrupted` once; a second signal while the report is being
-    written is ignored. Called by `main` only (importing the module changes nothing)."""
-    fired = []
+    """SIGTERM and SIGINT raise `Interrupted`; once it has reached a handler that records it
+    (`mark_delivered`), a second signal while the report is being written is ignored. Called by
+    `main` only (importing the module changes nothing)."""
 
     def handler(signum, frame):  # noqa: ARG001
-        if not fired:
-            fired.append(signum)
-            raise Interrupted(signum)
+        if _SIGNAL["delivered"]:
+            return
+        _SIGNAL["signum"] = signum
+        raise Interrupted(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def check_interrupted() -> None:
+    """Raises `Interrupted` again if a signal arrived whose raise was swallowed."""
+    if _SIGNAL["signum"] is not None and not _SIGNAL["delivered"]:
+        raise Interrupted(_SIGNAL["signum"])
+
+
+def mark_delivered() -> None:
+    """The interrupt reached the code that writes the report: later signals are ignored."""
+    _SIGNAL["delivered"] = _SIGNAL["signum"] is not None or _SIGNAL["delivered"]
 
 
 def write_text(path: str, text: str) -> None:
@@ -218,6 +236,7 @@ class Results:
         return os.path.join(self.out_dir, name)
 
     def save(self) -> None:
+        check_interrupted()  # after each item: a safe point for a swallowed signal
         tmp = self.path("results.json.tmp")
         with open(tmp, "w") as f:
             json.dump(_clean(self.data), f, indent=2)
@@ -239,6 +258,7 @@ def run_part(name: str, fn, cfg: CheckConfig, deadline: Deadline, results: Resul
         fn(cfg, deadline, part_end, record, results)
         record["status"] = "done" if not record.get("skipped") else "partial"
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM through `Interrupted`
+        mark_delivered()
         record["status"] = "interrupted"
         record["interrupted"] = str(err) or "SIGINT"
         record["seconds"] = time.monotonic() - start
@@ -353,6 +373,7 @@ def main(argv):
     try:
         run_check(cfg, Deadline(cfg.budget_s, start=_T0))
     except KeyboardInterrupt as err:
+        mark_delivered()
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"gpu_check: interrupted by {signal.Signals(signum).name}; the report above has "
               "what was measured", file=sys.stderr, flush=True)
