@@ -2,6 +2,7 @@
 
 Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`,
 `POST /tokenize`, `POST /detokenize`, `GET /version` (as vLLM's, `serving.api_tokens`),
+`GET` / `DELETE /v1/kv/{request_id}` (the P/D hand-off's KV read API, `serving.api_kv`),
 `GET /v1/workers`, and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
 `POST /reset_prefix_cache` (as vLLM's). Errors use OpenAI's
 body `{"error": {"message", "type", "param", "code"}}`; every validation error is a 400 naming
@@ -20,7 +21,9 @@ withdrawn (`vertumnus:request_aborted_total`); one already running finishes unse
 A completion's response carries the first token (greedy), `usage` with
 `prompt_tokens_details.cached_tokens`, where it ran (`worker_id`, `cp_degree`, `epoch`), its
 timings in seconds, and `kv_transfer_params` naming the worker, devices and KV blocks that hold
-the prompt (as vLLM's disaggregated prefill returns them for the decode side).
+the prompt (as vLLM's disaggregated prefill returns them for the decode side); with
+`kv_transfer_params.do_remote_decode` the blocks stay pinned until the decode side pulls them
+(`serving.api_kv`).
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ from serving.api_models import CompletionRequest, MergeRequest, SplitRequest
 from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, Engine,
                             Overloaded, ShuttingDown)
 from serving.api_chat import (CHATML_TEMPLATE, ChatCompletionRequest, ChatTemplate, chat_answer,
-                              chat_chunks)
+                              chat_chunks, chat_prompt_ids)
+from serving.api_kv import add_kv_routes, hold_ids, kv_transfer_params
 from serving.api_stream import streaming_response
 from serving.api_tokens import add_token_routes, check_token_ids
 from serving.http_gate import RequestGate, error_response
+from serving.kv_hold import HoldExists
 from serving.policy.reconfiguration import StrandedRequests
 from serving.prom import ServingMetrics
 
@@ -99,8 +104,8 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     Raises:
       ValueError: `max_body_bytes < 1` or `body_timeout` not a finite number > 0.
     """
-    metrics = ServingMetrics(engine)
     names = list(served_model_names) or [model_name]
+    metrics = ServingMetrics(engine, model_name=names[0])
     template = ChatTemplate(chat_template)
 
     @contextlib.asynccontextmanager
@@ -186,10 +191,12 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                 f"the server ever admits at once (max_in_flight="
                                 f"{engine.config.max_in_flight})", "prompt")
         token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
-        results = await run_prompts(token_lists, request)
         rid = request.headers.get("x-request-id")  # checked by the gate, echoed by it
-        answer = _response(results, body.model or names[0], tokenizer,
-                           f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}")
+        completion_id = f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}"
+        holds = hold_ids(completion_id, len(token_lists)) if _holds(body) else None
+        results = await run_prompts(token_lists, request, holds)
+        answer = _response(results, body.model or names[0], tokenizer, completion_id,
+                           kv_params(request))
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return streaming_response(answer, include)
@@ -200,12 +207,15 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         check_model(body.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = template.render(messages, body.add_generation_prompt)
+            ids = chat_prompt_ids(template, tokenizer, messages, body.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        results = await run_prompts([_tokens(text, 0, False, "messages")], request)
-        completion = _response(results, body.model or names[0], tokenizer, "")
-        answer = chat_answer(completion, request.headers.get("x-request-id"))
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        holds = hold_ids(f"chatcmpl-{rid}", 1, chat=True) if _holds(body) else None
+        results = await run_prompts([_tokens(ids, 0, False, "messages")], request, holds)
+        completion = _response(results, body.model or names[0], tokenizer, "",
+                               kv_params(request))
+        answer = chat_answer(completion, rid)
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return streaming_response(chat_chunks(answer), include)
@@ -272,11 +282,27 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(400, str(e), "worker_ids") from None
         return {"epoch": epoch, "status": "draining"}
 
-    async def run_prompts(token_lists: list[list[int]], request: Request) -> list[Completion]:
-        """Prefills validated prompts; maps the engine's refusals and failures to ApiError."""
+    def kv_params(request: Request):
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        return lambda record, live: kv_transfer_params(
+            record, live, host=url.hostname, port=port,
+            hold_seconds=engine.config.kv_hold_seconds)
+
+    async def run_prompts(token_lists: list[list[int]], request: Request,
+                          holds: list[str] | None = None) -> list[Completion]:
+        """Prefills validated prompts (holding their KV under `holds` when given); maps the
+        engine's refusals and failures to ApiError."""
+        if holds is not None and engine.handoff is None:
+            raise ApiError(400, "kv_transfer_params.do_remote_decode=true needs a backend that "
+                                "holds KV for a decode side (the JAX backend)",
+                           "kv_transfer_params")
         try:
-            results = await engine.prefill_many(token_lists,
-                                                disconnected=lambda: _disconnected(request.receive))
+            results = await engine.prefill_many(
+                token_lists, disconnected=lambda: _disconnected(request.receive),
+                hold_ids=holds)
+        except HoldExists as e:
+            raise ApiError(409, str(e), "X-Request-Id", "conflict_error") from None
         except Overloaded as e:
             metrics.rejected.labels("overloaded").inc(len(token_lists))
             raise ApiError(429, str(e), None, "rate_limit_error",
@@ -300,6 +326,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
             raise ApiError(404, f"model {name!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, names))}", "model", "not_found_error")
 
+    add_kv_routes(app, engine=engine, model_name=names[0], error=ApiError)
     add_token_routes(app, tokenizer=tokenizer, vocab_size=vocab_size,
                      max_model_len=engine.max_prompt_len, check_model=check_model,
                      error=ApiError)
@@ -313,7 +340,14 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def _response(results: list[Completion], model_name: str, tokenizer, completion_id: str) -> dict:
+def _holds(body) -> bool:
+    """Whether the request asks for its KV to be held (vLLM's `do_remote_decode`)."""
+    params = body.kv_transfer_params
+    return params is not None and params.do_remote_decode
+
+
+def _response(results: list[Completion], model_name: str, tokenizer, completion_id: str,
+              kv_params) -> dict:
     choices, prompt_tokens, cached = [], 0, 0
     for i, c in enumerate(results):
         r, live = c.record, c.prefill
@@ -324,7 +358,7 @@ def _response(results: list[Completion], model_name: str, tokenizer, completion_
             "timings": {"queue_seconds": c.queue_seconds, "prefill_seconds": c.prefill_seconds,
                         "ttft_seconds": c.ttft_seconds},
             "prompt_tokens": r.request.input_len, "cached_tokens": r.cached_len,
-            "kv_transfer_params": _kv_params(r, live)})
+            "kv_transfer_params": kv_params(r, live)})
         prompt_tokens += r.request.input_len
         cached += r.cached_len
     first = choices[0]
@@ -337,14 +371,3 @@ def _response(results: list[Completion], model_name: str, tokenizer, completion_
         "worker_id": first["worker_id"], "cp_degree": first["cp_degree"], "epoch": first["epoch"],
         "timings": first["timings"], "kv_transfer_params": first["kv_transfer_params"]}
 
-
-def _kv_params(record, live) -> dict | None:
-    if live is None:
-        return None
-    c = live.cp_degree
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": f"vertumnus-worker-{live.worker_id}-epoch-{record.epoch}",
-            "remote_block_ids": list(live.block_ids),
-            "remote_block_ranks": [i % c for i in range(len(live.block_ids))],
-            "remote_device_ids": list(live.device_ids), "block_size": live.block_size,
-            "cp_degree": c, "num_tokens": len(live.block_ids) * live.block_size}

@@ -4,25 +4,29 @@ The messages are rendered to one prompt with the model's chat template, as Huggi
 `apply_chat_template` does (jinja2 in an `ImmutableSandboxedEnvironment` with `trim_blocks` and
 `lstrip_blocks`, `raise_exception` and `tojson` available, `add_generation_prompt` true by
 default): the checkpoint's `tokenizer_config.json` `chat_template`, or `CHATML_TEMPLATE` (the
-Qwen3 family's ChatML layout) for the built-in models. The prompt then goes through the same
-path as a completion: `max_tokens` / `max_completion_tokens` of 1, the same usage, timings and
-`kv_transfer_params`; the answer is a `chat.completion` whose message holds the first token
-(`chat.completion.chunk` events with `stream: true`).
+Qwen3 family's ChatML layout) for the built-in models. As there, the tokenizer's named special
+tokens (`bos_token`, `eos_token`, ...) are template variables and the rendered text is tokenized
+without adding special tokens again (`chat_prompt_ids`), so a template that writes `bos_token`
+yields one BOS. The prompt then goes through the same path as a completion: `max_tokens` /
+`max_completion_tokens` of 1, the same usage, timings and `kv_transfer_params`; the answer is a
+`chat.completion` whose message holds the first token (`chat.completion.chunk` events with
+`stream: true`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from serving.api_models import StreamOptions
+from serving.api_models import KVTransferParams, StreamOptions
+from serving.tokenizer import read_tokenizer_config
 
 # The ChatML layout of the Qwen3 family (without its tool and thinking branches).
 CHATML_TEMPLATE = (
@@ -70,7 +74,7 @@ class ChatCompletionRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: StrictBool = True
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 def load_chat_template(model_dir: str | None) -> str:
@@ -78,16 +82,9 @@ def load_chat_template(model_dir: str | None) -> str:
     the "default" one of a list), else `CHATML_TEMPLATE`.
 
     Raises:
-      ValueError: a `tokenizer_config.json` that is not valid JSON.
+      ValueError: a `tokenizer_config.json` that is not a JSON object.
     """
-    path = os.path.join(model_dir, "tokenizer_config.json") if model_dir else None
-    if not path or not os.path.isfile(path):
-        return CHATML_TEMPLATE
-    try:
-        with open(path, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    template = read_tokenizer_config(model_dir or None).get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
@@ -113,17 +110,46 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template does not compile: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool,
+               special_tokens: Mapping[str, str] | None = None) -> str:
         """The prompt text of `messages` (each `{"role", "content"}`).
+
+        Args:
+          messages: the conversation.
+          add_generation_prompt: end with the assistant's header.
+          special_tokens: template variables such as `{"bos_token": "<s>"}` (the tokenizer's
+            `special_tokens`, as Hugging Face's `special_tokens_map`); absent ones are undefined
+            and render as "".
 
         Raises:
           ValueError: the template raised (e.g. `raise_exception` for an unsupported order).
         """
         try:
-            return self._template.render(messages=messages,
+            return self._template.render(**dict(special_tokens or {}), messages=messages,
                                          add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: list[dict],
+                    add_generation_prompt: bool) -> list[int]:
+    """The prompt token ids of `messages`, as `apply_chat_template(tokenize=True)`: rendered with
+    the tokenizer's special tokens, then encoded with `add_special_tokens=False` (the template
+    writes the BOS it wants; the tokenizer adds none).
+
+    Args:
+      template: the compiled chat template.
+      tokenizer: `serving.tokenizer`'s (`special_tokens`, `encode(text, add_special_tokens)`).
+      messages: the conversation, each `{"role", "content"}`.
+      add_generation_prompt: end with the assistant's header.
+
+    Raises:
+      ValueError: the template raised, or the rendered text is not valid Unicode (a
+        `UnicodeError`, e.g. a lone surrogate in a message).
+    """
+    text = template.render(messages, add_generation_prompt,
+                           getattr(tokenizer, "special_tokens", None))
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _raise(message: str):

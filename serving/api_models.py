@@ -22,6 +22,31 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's `kv_transfer_params` on input (its disaggregated-prefill proxy sends
+    `{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, ...}`).
+
+    Attributes:
+      do_remote_decode: hold the prompt's KV for a decode side (`serving.api_kv`).
+      do_remote_prefill: must be false: true asks a decode engine to read a KV prefilled
+        elsewhere, which a prefill pool does not do.
+    Other keys (the `remote_*` ones, null on the way in) are accepted and ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+
+    @field_validator("do_remote_prefill")
+    @classmethod
+    def _prefill_only(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("do_remote_prefill=true asks this server to decode from a KV "
+                             "prefilled elsewhere; this is a prefill pool (use "
+                             "do_remote_decode=true to hand its KV to a decode side)")
+        return v
+
+
 class CompletionRequest(BaseModel):
     """`POST /v1/completions`.
 
@@ -32,7 +57,8 @@ class CompletionRequest(BaseModel):
       temperature, top_p, seed: accepted; the first token is greedy (argmax).
       stream: answer as server-sent events (`serving.api_stream`); `stream_options` as
         OpenAI's.
-      kv_transfer_params: vLLM's disaggregated-prefill field, accepted and ignored on input.
+      kv_transfer_params: vLLM's disaggregated-prefill field (`KVTransferParams`): with
+        `do_remote_decode` the prompt's KV is held for a decode side (`serving.api_kv`).
     """
 
     model_config = ConfigDict(extra="allow")
@@ -53,7 +79,7 @@ class CompletionRequest(BaseModel):
     logprobs: StrictInt | None = None
     user: str | None = None
     stop: str | list[str] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """vLLM's auxiliary endpoints: `POST /tokenize`, `POST /detokenize`, `GET /version`.
 
 Bodies and answers follow vLLM's OpenAI server (`vllm/entrypoints/openai/api_server.py`):
-`/tokenize` takes `{"model"?, "prompt"}` and answers `{"count", "max_model_len", "tokens"}`;
+`/tokenize` takes `{"model"?, "prompt", "add_special_tokens"?}` (default true: the BOS the
+tokenizer adds, as for a completion) and answers `{"count", "max_model_len", "tokens"}`;
 `/detokenize` takes `{"model"?, "tokens"}` and answers `{"prompt"}`; `/version` answers
 `{"version"}` (this package's version).
 """
@@ -12,7 +13,7 @@ import importlib.metadata
 from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 
 class TokenizeRequest(BaseModel):
@@ -21,6 +22,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
@@ -45,7 +47,8 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
     """Adds `/tokenize`, `/detokenize` and `/version` to `app`.
 
     Args:
-      tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str`.
+      tokenizer: `encode(text, add_special_tokens) -> list[int]`, `decode(ids) -> str`
+        (`serving.tokenizer`).
       vocab_size: token ids must be in `[0, vocab_size)`.
       max_model_len: reported by `/tokenize` (tokens).
       check_model: raises the API's 404 for a `model` the server does not serve.
@@ -56,7 +59,7 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         try:
-            ids = tokenizer.encode(body.prompt)
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except UnicodeError as e:
             raise error(400, f"prompt is not valid Unicode text ({e})", "prompt") from None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

@@ -34,16 +34,13 @@ from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.request import Request, RequestRecord
 from serving.policy.router import Router
 from serving.policy.scheduler import Scheduler
-from serving.policy.worker import WorkerSpec, WorkerStatus, merge_buddies, split_halves
+from serving.engine_admin import RECONFIG_LOG_LIMIT, EngineAdmin  # noqa: F401 (re-exported)
+from serving.policy.worker import WorkerSpec
 
 _log = logging.getLogger(__name__)
 
-# Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
-# runs for months; the counters count all).
-RECONFIG_LOG_LIMIT = 256
 
-
-class Engine:
+class Engine(EngineAdmin):
     """The live pool. Build it, then `await start()` inside the serving loop.
 
     Args:
@@ -78,6 +75,7 @@ class Engine:
         self.backend = None
         self.controller: ReconfigurationController | CompositionController | None = None
         self._futures: dict[int, asyncio.Future] = {}
+        self._expired: set[int] = set()  # answered at the shutdown deadline, still running
         self._ids = itertools.count()
         self._t0 = time.monotonic()
         self._tick_task: asyncio.Task | None = None
@@ -129,7 +127,8 @@ class Engine:
                                                         cfg.max_input_len)
             self.controller.attach(self.scheduler)
         if cfg.cache_manager:
-            PrefixCacheManager(cfg.cache_config).attach(self.scheduler)
+            PrefixCacheManager(cfg.cache_config, scaleout_gb_per_s=cfg.scaleout_gb_per_s
+                               ).attach(self.scheduler)
         self._accepting = True
         self._tick_task = asyncio.create_task(self._ticks())
 
@@ -140,6 +139,12 @@ class Engine:
                 self.scheduler.tick(self.now())
             except Exception:  # a policy bug must not stop the periodic loops for good
                 _log.exception("scheduler tick failed")
+            backend_tick = getattr(self.backend, "tick", None)
+            if backend_tick is not None:  # KV hold expiry; host liveness (multi-host)
+                try:
+                    backend_tick(self.now())
+                except Exception:
+                    _log.exception("backend tick failed")
             rc = self.scheduler.reconfig
             fresh = min(rc.num_finished - self._logged, len(rc.log))
             for r in list(rc.log)[len(rc.log) - fresh:]:
@@ -173,8 +178,9 @@ class Engine:
             self._loop.call_soon_threadsafe(self.begin_shutdown, timeout, force)
 
     def _expire(self) -> None:
-        for future in self._futures.values():
+        for rid, future in self._futures.items():
             if not future.done():
+                self._expired.add(rid)  # answered 503 now: not counted again when it ends
                 future.set_exception(ShuttingDown(
                     "the server shut down before this request finished (shutdown timeout)"))
 
@@ -208,9 +214,15 @@ class Engine:
         [completion] = await self.prefill_many([token_ids], ttft_slo)
         return completion
 
+    @property
+    def handoff(self):
+        """The backend's KV holds (`serving.kv_handoff.KVHandOff`), or None when the backend
+        cannot hold KV for a decode side."""
+        return getattr(self.backend, "handoff", None)
+
     async def prefill_many(self, prompts: Sequence[Sequence[int]], ttft_slo: float | None = None,
-                           disconnected: Callable[[], Awaitable] | None = None
-                           ) -> list[Completion]:
+                           disconnected: Callable[[], Awaitable] | None = None,
+                           hold_ids: Sequence[str] | None = None) -> list[Completion]:
         """Admits all of `prompts` or none (one capacity check, then every submit with no await
         in between), then waits for all of them.
 
@@ -220,20 +232,50 @@ class Engine:
           disconnected: called once the prompts are admitted; the awaitable it returns resolves
             when the client went away (e.g. an ASGI `http.disconnect`); then the prompts not
             started yet are withdrawn (counted as aborted) and those running finish unseen.
+          hold_ids: one id per prompt: keep each prompt's KV pinned for a decode side under
+            that id (`serving.kv_hold`); None: release as usual. When a prompt of the batch
+            fails or the client went away, the batch's holds are released (reason `failed`):
+            nobody learns their ids.
 
         Raises:
-          As `prefill`, and `ClientDisconnected` when `disconnected` resolved first.
+          As `prefill`; `ClientDisconnected` when `disconnected` resolved first; ValueError
+          (nothing admitted) when `hold_ids` is not one id per prompt or the backend holds no
+          KV; `serving.kv_hold.HoldExists` (nothing admitted) when an id is held or reserved.
         """
         self.check_capacity(len(prompts))
+        handoff = None
+        if hold_ids is not None:
+            handoff = self.handoff
+            if handoff is None or len(hold_ids) != len(prompts):
+                raise ValueError("hold_ids need a backend that holds KV and one id per prompt")
+            hold_ids = list(hold_ids)
+            handoff.holds.reserve(hold_ids)
+        futures: list = []
+        kept = False
+        try:
+            results = await self._admit_and_wait(prompts, ttft_slo, disconnected, hold_ids,
+                                                 futures)
+            kept = all(c.record.ok for c in results)
+            return results
+        finally:
+            if handoff is not None:
+                for rid, _ in futures:
+                    handoff.wanted.pop(rid, None)
+                handoff.holds.unreserve(hold_ids)
+                if not kept:  # nobody will learn these ids: free their blocks now
+                    await asyncio.to_thread(handoff.release_quietly, hold_ids, "failed")
+
+    async def _admit_and_wait(self, prompts, ttft_slo, disconnected, hold_ids, futures):
         s, now = self.scheduler, self.now()
-        futures = []
-        for token_ids in prompts:
+        for i, token_ids in enumerate(prompts):
             rid = next(self._ids)
             request = Request(rid, now, len(token_ids), 1, self._hash_prompt(token_ids),
                               self.config.block_size, ttft_slo, token_ids=list(token_ids))
             future = self._loop.create_future()
             self._futures[rid] = future
             futures.append((rid, future))
+            if hold_ids is not None:
+                self.handoff.wanted[rid] = hold_ids[i]
             try:
                 s.submit(request, now)
             except Exception:  # a policy error: this prompt is not taken; earlier ones run on
@@ -272,109 +314,12 @@ class Engine:
 
     def _finished(self, record: RequestRecord) -> None:
         live = self.backend.prefills.pop(record.request.request_id, None)
+        if record.request.request_id in self._expired:  # its client got 503 at the deadline
+            self._expired.discard(record.request.request_id)
+            return
         completion = Completion(record, live)
         for hook in self.record_hooks:
             hook(completion)
         future = self._futures.get(record.request.request_id)
         if future is not None and not future.done():
             future.set_result(completion)
-
-    # ------------------------------------------------------------------------------ admin
-    def split(self, worker_id: int) -> int:
-        """Splits an ACTIVE worker of degree 2C into its halves; returns the new epoch.
-
-        Raises:
-          StrandedRequests: (nothing changed) waiting requests that only this worker, or one
-            as large, could hold (`Reconfigurations.refuse_stranding`).
-          ValueError: (nothing changed) an unknown, draining or degree-1 worker.
-        """
-        s = self.scheduler
-        w = s.workers.get(worker_id)
-        if w is None or w.status is not WorkerStatus.ACTIVE:
-            raise ValueError(f"worker_id={worker_id} is not an ACTIVE worker "
-                             f"(workers: {sorted(s.workers)})")
-        if w.cp_degree < 2:
-            raise ValueError(f"worker_id={worker_id} has cp_degree=1 and cannot be split")
-        self._check_degree(w.cp_degree // 2, "split")
-        specs = split_halves(w.spec, s.new_worker_ids(2), self.config.max_input_len)
-        epoch = s.begin_reconfiguration("split", [worker_id], specs, self.now()).epoch
-        self._admin_epochs.add(epoch)
-        return epoch
-
-    def merge(self, worker_ids: Sequence[int]) -> int:
-        """Merges two ACTIVE buddy workers into their aligned group; returns the new epoch.
-
-        Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies.
-        """
-        s = self.scheduler
-        if len(worker_ids) != 2 or len(set(worker_ids)) != 2:
-            raise ValueError(f"worker_ids must name two distinct workers, got {list(worker_ids)}")
-        ws = [s.workers.get(i) for i in worker_ids]
-        if any(w is None or w.status is not WorkerStatus.ACTIVE for w in ws):
-            raise ValueError(f"worker_ids={list(worker_ids)} must be ACTIVE workers "
-                             f"(workers: {sorted(s.workers)})")
-        a, b = sorted(ws, key=lambda w: w.spec.first_device)
-        self._check_degree(2 * a.cp_degree, "merge")
-        spec = merge_buddies(a.spec, b.spec, s.new_worker_ids(1)[0], self.config.max_input_len)
-        epoch = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec],
-                                        self.now()).epoch
-        self._admin_epochs.add(epoch)
-        return epoch
-
-    def _check_degree(self, c: int, kind: str) -> None:
-        if c not in self.degrees:
-            raise ValueError(f"a {kind} would create CP degree {c}, not one of the pool's "
-                             f"degrees {list(self.degrees)} (--degrees, each with a profile)")
-
-    def reconfigurations(self, limit: int = RECONFIG_LOG_LIMIT) -> list[dict]:
-        """The latest `limit` finished splits and merges (at most `RECONFIG_LOG_LIMIT` are kept;
-        `scheduler.reconfig.num_finished` counts all), oldest first, each with `origin`: "admin"
-        (the API) or "controller"."""
-        log = list(self.scheduler.reconfig.log)
-        return [self._with_origin(r) for r in log[max(0, len(log) - limit):]]
-
-    def _with_origin(self, record: dict) -> dict:
-        return {**record, "origin": "admin" if record["epoch"] in self._admin_epochs
-                else "controller"}
-
-    def reset_prefix_cache(self) -> int:
-        """Empties every worker's prefix cache and the scheduler's index of it; returns the
-        number of blocks freed (vLLM's `/reset_prefix_cache`, e.g. between benchmark runs).
-
-        Raises ValueError (nothing changed) while requests, splits, merges, copies or
-        reclamations are in flight.
-        """
-        s = self.scheduler
-        if s.num_in_flight or s.reconfig.in_progress or s.copies.in_flight or s.copies.reclaims:
-            raise ValueError("the prefix cache can be reset only while the pool is idle (no "
-                             "request, split, merge, copy or reclamation in flight)")
-        freed = 0
-        for wid, evicted in self.backend.reset_prefix_cache().items():
-            s.kv_events(wid, (), evicted)
-            freed += len(evicted)
-        return freed
-
-    def workers(self) -> list[dict]:
-        """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use,
-        and the prefill executables created for its devices so far (one per padded length and
-        cached-prefix bucket; a new one compiles on first use, seconds on a CPU, or loads from
-        the persistent compilation cache)."""
-        out = []
-        for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
-            live = self.backend.workers.get(w.worker_id)
-            if live is not None and live.retired is not None:
-                live = None  # re-carved on the recarve thread, replaced when `finish` runs
-            cached = len(live.cache) if live is not None else 0
-            compiled = 0
-            if live is not None:  # list(): a prefill thread may add one meanwhile
-                devices = live.device_ids
-                compiled = sum(1 for key in list(live.executables) if key[0] == devices)
-            out.append({
-                "worker_id": w.worker_id, "cp_degree": w.cp_degree,
-                "first_device": w.spec.first_device, "epoch": w.epoch,
-                "status": w.status.name.lower(), "queued_requests": len(w.queue),
-                "running": w.running is not None,
-                "outstanding_seconds": w.queued_seconds + w.running_estimate,
-                "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks,
-                "prefill_executables": compiled})
-        return out

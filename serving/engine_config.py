@@ -12,6 +12,7 @@ import math
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.composition import CompositionConfig
 from serving.policy.controller import ControllerConfig
+from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.request import RequestRecord
 
 
@@ -48,6 +49,12 @@ class EngineConfig:
         thresholds.
       tick_seconds: period of the scheduler's tick (seconds), > 0.
       max_in_flight: requests queued or running beyond which new ones get 429, >= 1.
+      scaleout_gb_per_s: bandwidth of a KV copy between workers of different hosts (the
+        prefix-cache manager prices cross-host copies with it; within a host 100 GB/s), GB/s
+        >= 0 (0 = free).
+      kv_hold_seconds: how long a prompt's KV stays pinned for the decode side when its request
+        asked for it (`kv_transfer_params.do_remote_decode`, `serving.kv_hold`) and nobody
+        pulls or releases it, seconds > 0.
     """
 
     block_size: int = 16
@@ -63,6 +70,8 @@ class EngineConfig:
     cache_config: CacheManagerConfig = CacheManagerConfig()
     tick_seconds: float = 0.25
     max_in_flight: int = 256
+    kv_hold_seconds: float = 60.0
+    scaleout_gb_per_s: float = SCALEOUT_GB_PER_S
 
     def __post_init__(self) -> None:
         if self.controller_policy not in ("paper", "whatif"):
@@ -76,6 +85,12 @@ class EngineConfig:
         for name in ("beta", "lam"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.scaleout_gb_per_s) and self.scaleout_gb_per_s >= 0):
+            raise ValueError(f"scaleout_gb_per_s must be a finite number >= 0 GB/s, got "
+                             f"{self.scaleout_gb_per_s}")
+        if not (math.isfinite(self.kv_hold_seconds) and self.kv_hold_seconds > 0):
+            raise ValueError(f"kv_hold_seconds must be a finite number > 0, got "
+                             f"{self.kv_hold_seconds}")
         if not (math.isfinite(self.tick_seconds) and self.tick_seconds > 0):
             raise ValueError(f"tick_seconds must be > 0 seconds, got {self.tick_seconds}")
 

@@ -74,7 +74,8 @@ class RequestGate:
       body_timeout: seconds from the headers to the end of the body, > 0.
       linger: after a 413, close once the client has sent nothing for this many seconds.
       linger_max: after a 413, close after this many seconds in all.
-      on_refused: called with "body_too_large" or "body_timeout" per refusal (metrics).
+      on_refused: called with "body_too_large", "body_timeout", "unauthorized" (401) or
+        "forbidden" (403) per refusal (metrics).
 
     Raises:
       ValueError: `max_body_bytes < 1` or a `body_timeout` that is not a finite number > 0.
@@ -105,6 +106,7 @@ class RequestGate:
             return
         denied = self._denied(scope["path"], headers)
         if denied is not None:
+            self.on_refused("unauthorized" if denied.status_code == 401 else "forbidden")
             await denied(scope, receive, send)
             return
         rid = headers.get("x-request-id")

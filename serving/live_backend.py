@@ -17,6 +17,12 @@ under the new striping (`vertumnus_jax.recarve`), every rank of each new worker 
 in the `DevicePool`, the new epoch is committed, and only then does the scheduler see the new
 workers (`finish_reconfiguration`). A replica is reported only after its copy has completed;
 a reclaimed prefix leaves the index only after its blocks were freed.
+
+KV holds (the P/D hand-off, `serving.kv_handoff`): a prefill whose request asked for one keeps
+its blocks pinned after it ends instead of releasing them; a prefill that runs out of blocks
+while holds pin some releases the worker's oldest hold and tries again; a worker about to be
+re-carved first copies its holds to host memory; expired holds are released on a background
+thread (`expire_kv_holds`, called by the engine's tick).
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import threading
 from collections.abc import Callable, Sequence
 
 from mesh import DevicePool, ParamReplicas, worker_mesh
+from serving.kv_handoff import KVHandOff
+from serving.kv_hold import KVHolds
 from serving.policy.backend import PrefillResult
 from serving.policy.request import Request
-from vertumnus_jax import Worker, prefill_request, release_request
+from vertumnus_jax import OutOfBlocksError, Worker, prefill_request, release_request
 from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
 
 
@@ -40,9 +48,13 @@ class LivePrefill:
     Attributes:
       worker_id, cp_degree: where it ran (the epoch is the scheduler's, in `RequestRecord`).
       device_ids: the worker's device ids in rank order.
-      block_ids: the prompt's full KV blocks (block i on rank `i % cp_degree`), left in the
-        worker's prefix cache (unpinned) for the decode pool to pull.
+      block_ids: the prompt's KV blocks (block i on rank `i % cp_degree`): with a hold, all
+        of them, pinned (the partial last one included); without, the full ones, left
+        unpinned in the worker's prefix cache.
       block_size: tokens per block.
+      num_tokens: tokens those blocks hold (the prompt's length with a hold; full blocks'
+        tokens without).
+      hold_id: the KV hold's id (`serving.kv_hold`), or None when nothing is held.
     """
 
     worker_id: int
@@ -50,6 +62,8 @@ class LivePrefill:
     device_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     block_size: int
+    num_tokens: int = 0
+    hold_id: str | None = None
 
 
 class LiveBackend:
@@ -64,6 +78,8 @@ class LiveBackend:
       post: `post(fn)` runs `fn()` on the scheduler's thread (thread-safe; e.g.
         `loop.call_soon_threadsafe`).
       clock: seconds since the service started (monotonic).
+      kv_hold_seconds: how long a prompt's KV stays pinned for the decode side when its request
+        asked for it (`serving.kv_hold`), > 0.
       worker_kwargs: extra `vertumnus_jax.Worker` arguments (`interpret`, `block_sizes`,
         `min_bucket`).
 
@@ -72,11 +88,13 @@ class LiveBackend:
       workers: worker id -> `vertumnus_jax.Worker`.
       prefills: request id -> `LivePrefill`, filled before `Scheduler.complete` is posted;
         the owner pops it when it answers the request.
+      handoff: the KV holds of the P/D hand-off (`serving.kv_handoff.KVHandOff`).
     """
 
     def __init__(self, pool: DevicePool, replicas: ParamReplicas, graphdef, *, num_blocks: int,
                  block_size: int, post: Callable[[Callable[[], None]], None],
-                 clock: Callable[[], float], **worker_kwargs) -> None:
+                 clock: Callable[[], float], kv_hold_seconds: float = 60.0,
+                 **worker_kwargs) -> None:
         self.pool, self.replicas, self.graphdef = pool, replicas, graphdef
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self._post, self._clock = post, clock
@@ -86,9 +104,12 @@ class LiveBackend:
         self._executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._recarver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recarve")
+        self._hold_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-hold")
         self.prefills: dict[str | int, LivePrefill] = {}
         self.errors: list[str] = []  # failures of background operations, for logs and tests
         self._closed = False
+        self.handoff = KVHandOff(KVHolds(kv_hold_seconds), self.workers, self._locks, clock)
+        self._expiring: concurrent.futures.Future | None = None
         for group in pool.groups:
             self._add(group.worker_id, self._new_worker(group.worker_id))
 
@@ -140,19 +161,24 @@ class LiveBackend:
         def run():
             try:
                 with lock:
-                    result = prefill_request(worker, request.token_ids, request.block_hashes)
-                    release_request(worker, result)
+                    result = self._prefill_making_room(worker_id, worker, request)
+                    hold_id = self.handoff.pin(worker_id, worker, request, result)
+                    if hold_id is None:
+                        release_request(worker, result)
                     inserted, evicted = _drain(worker)
             except Exception as e:  # JAX errors, OutOfBlocksError: this request fails alone
+                self.handoff.wanted.pop(request.request_id, None)
                 message = f"prefill failed on worker {worker_id}: {type(e).__name__}: {e}"
                 self._post(lambda: self.scheduler.fail(worker_id, request.request_id,
                                                        self._clock(), message))
                 return
             finish = self._clock()
             n_full = request.input_len // self.block_size
+            blocks = result.block_ids if hold_id is not None else result.block_ids[:n_full]
             self.prefills[request.request_id] = LivePrefill(
-                worker_id, worker.cp_degree, worker.device_ids,
-                tuple(int(b) for b in result.block_ids[:n_full]), self.block_size)
+                worker_id, worker.cp_degree, worker.device_ids, tuple(int(b) for b in blocks),
+                self.block_size, request.input_len if hold_id is not None
+                else n_full * self.block_size, hold_id)
             done = PrefillResult(result.cached_tokens, finish, finish, inserted, evicted,
                                  int(result.first_token))
             self._post(lambda: self.scheduler.complete(worker_id, request.request_id, finish, done))
@@ -162,6 +188,28 @@ class LiveBackend:
                                                    f"prefill not started: {reason}"))
 
         self._submit(worker_id, run, refused)
+
+    def _prefill_making_room(self, worker_id: int, worker: Worker, request: Request):
+        """`prefill_request`; when the pool is out of blocks and KV holds pin some of them,
+        releases the oldest hold (`preempted`) and tries again."""
+        while True:
+            try:
+                return prefill_request(worker, request.token_ids, request.block_hashes)
+            except OutOfBlocksError:
+                if not self.handoff.preempt_oldest(worker_id, worker):
+                    raise
+
+    def tick(self, now: float) -> None:
+        """The engine's periodic call: expires KV holds."""
+        self.expire_kv_holds(now)
+
+    def expire_kv_holds(self, now: float) -> None:
+        """Releases, on a background thread, the KV holds whose time passed at `now` (seconds
+        on the backend's clock). Cheap when none did; at most one such job runs at a time."""
+        if self._closed or not self.handoff.holds.expired(now) or (
+                self._expiring is not None and not self._expiring.done()):
+            return
+        self._expiring = self._hold_thread.submit(self.handoff.expire, now)
 
     def recarve(self, reconfiguration, now: float) -> None:
         """Splits or merges the drained workers on the re-carve thread (see module doc)."""
@@ -173,6 +221,8 @@ class LiveBackend:
             for lock in locks:
                 lock.acquire()
             try:
+                for wid, old in zip(rec.old_ids, olds):  # the re-carve wants idle workers
+                    self.handoff.offload(wid, old)
                 if rec.kind == "split":
                     specs = sorted(rec.new_specs, key=lambda s: s.first_device)
                     change = self.pool.begin_split(rec.old_ids[0],
@@ -289,6 +339,7 @@ class LiveBackend:
         started, and waits for running operations when `wait`."""
         self._closed = True
         self._recarver.shutdown(wait=wait)
+        self._hold_thread.shutdown(wait=wait, cancel_futures=True)
         for ex in list(self._executors.values()):
             ex.shutdown(wait=wait, cancel_futures=True)
 

@@ -1,6 +1,7 @@
 r"""The serving binary: the live prefill pool behind an OpenAI-compatible HTTP API.
 
     python -m serving.main                       # tiny model, 8 host CPU devices, 127.0.0.1:8000
+    vertumnus-serve                              # the same, as the installed console script
     python -m serving.main --composition=4,2,2 --controller=false --port=8100
     python -m serving.main --checkpoint=/models/Qwen3-0.6B --profile=gpu_profile.csv \
         --num_devices=8 --host=0.0.0.0 --api_key_file=key.txt --admin_api_key_file=admin.txt
@@ -79,6 +80,21 @@ _MAX_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest prompt accepted 
 _MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 256, "Queued + running requests beyond "
                                       "which new ones get 429.", lower_bound=1)
 _TICK = flags.DEFINE_float("tick_s", 0.25, "Scheduler tick period (seconds).")
+_KV_HOLD = flags.DEFINE_float("kv_hold_s", 60.0, "Seconds a prompt's KV stays pinned for the "
+                              "decode side (kv_transfer_params.do_remote_decode) when nobody "
+                              "pulls or releases it (GET / DELETE /v1/kv/{request_id}).")
+_RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "Serve from host agents on this Ray "
+                                   "cluster ('auto' after `ray start`; one agent per node). "
+                                   "Default: one process, no Ray.")
+_LOCAL_HOSTS = flags.DEFINE_integer("local_hosts", 0, "Start this many host agents on this "
+                                    "machine (each its own process with --devices_per_host CPU "
+                                    "devices), on a local Ray instance.", lower_bound=0)
+_DEVICES_PER_HOST = flags.DEFINE_integer("devices_per_host", None, "Devices per host agent "
+                                         "(default on a cluster: each node's GPU count).",
+                                         lower_bound=1)
+_SCALEOUT = flags.DEFINE_float("scaleout_gb_per_s", 25.0, "Bandwidth of a KV copy between "
+                               "hosts (GB/s; the prefix-cache manager prices cross-host copies "
+                               "with it).", lower_bound=0.0)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=0, upper_bound=65535)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key required on every endpoint "
@@ -159,7 +175,8 @@ def server_config() -> ServerConfig:
             controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,
             cache_config=CacheManagerConfig(scan_interval_s=_SCAN.value),
-            tick_seconds=_TICK.value, max_in_flight=_MAX_IN_FLIGHT.value)
+            tick_seconds=_TICK.value, max_in_flight=_MAX_IN_FLIGHT.value,
+            kv_hold_seconds=_KV_HOLD.value, scaleout_gb_per_s=_SCALEOUT.value)
     except ValueError as e:
         sys.exit(f"error: {e}")
     return ServerConfig(model=_MODEL.value, checkpoint=_CHECKPOINT.value, seed=_SEED.value,
@@ -199,7 +216,12 @@ def main(argv):
     from serving.server import build_app
 
     try:
-        application = build_app(config, devices[:_NUM_DEVICES.value])
+        if _RAY_ADDRESS.value or _LOCAL_HOSTS.value:
+            from serving.ray_pool import HostsConfig, build_ray_app
+            application = build_ray_app(config, HostsConfig(
+                _RAY_ADDRESS.value, _LOCAL_HOSTS.value, _DEVICES_PER_HOST.value))
+        else:
+            application = build_app(config, devices[:_NUM_DEVICES.value])
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
@@ -223,5 +245,11 @@ def main(argv):
     logging.info("server stopped")
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The console script `vertumnus-serve` (pyproject's `[project.scripts]`): parses the flags
+    of `sys.argv` and runs `main`, as `python -m serving.main` does."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -166,7 +166,7 @@ def build_engine(config: ServerConfig, devices: Sequence):
     def make_backend(post, clock):
         return LiveBackend(pool, replicas, graphdef, num_blocks=ecfg.kv_blocks_per_device,
                            block_size=bs, post=post, clock=clock, interpret=config.interpret,
-                           min_bucket=config.min_bucket)
+                           min_bucket=config.min_bucket, kv_hold_seconds=ecfg.kv_hold_seconds)
 
     router = router_from_spec(config.router) if config.router else None
     engine = Engine(ecfg, make_backend, specs, cost_model, len(devices), hash_prompt,
@@ -174,15 +174,43 @@ def build_engine(config: ServerConfig, devices: Sequence):
     return engine, tokenizer, name, vocab
 
 
-def build_app(config: ServerConfig, devices: Sequence):
-    """The FastAPI app serving `config` on `devices` (started by its lifespan)."""
+def model_info(config: ServerConfig):
+    """`(name, vocab_size, tokenizer)` of the served model without loading its weights (the
+    head process of the multi-host pool).
+
+    Raises:
+      ValueError / FileNotFoundError: an unknown model name or an unreadable checkpoint config.
+    """
+    import json
+
+    from vertumnus_jax import ModelConfig
+
+    if config.checkpoint is not None:
+        with open(os.path.join(config.checkpoint, "config.json")) as f:
+            mc = ModelConfig.from_hf_config(json.load(f))
+        name = os.path.basename(os.path.normpath(config.checkpoint))
+    else:
+        mc, name = ModelConfig.named(config.model), config.model
+    return name, mc.vocab_size, load_tokenizer(config.checkpoint, mc.vocab_size)
+
+
+def make_app(config: ServerConfig, engine, tokenizer, name: str, vocab: int):
+    """The FastAPI app over a built engine, with `config`'s names, keys and limits."""
     from serving.api import create_app
     from serving.api_chat import load_chat_template
+    from serving.api_hosts import add_host_routes
 
+    app = create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
+                     served_model_names=config.served_model_names,
+                     chat_template=load_chat_template(config.checkpoint),
+                     api_key=config.api_key, admin_api_key=config.admin_api_key,
+                     shutdown_timeout=config.shutdown_timeout,
+                     body_timeout=config.body_timeout)
+    add_host_routes(app, engine)
+    return app
+
+
+def build_app(config: ServerConfig, devices: Sequence):
+    """The FastAPI app serving `config` on `devices` (started by its lifespan)."""
     engine, tokenizer, name, vocab = build_engine(config, devices)
-    return create_app(engine, tokenizer=tokenizer, model_name=name, vocab_size=vocab,
-                      served_model_names=config.served_model_names,
-                      chat_template=load_chat_template(config.checkpoint),
-                      api_key=config.api_key, admin_api_key=config.admin_api_key,
-                      shutdown_timeout=config.shutdown_timeout,
-                      body_timeout=config.body_timeout)
+    return make_app(config, engine, tokenizer, name, vocab)

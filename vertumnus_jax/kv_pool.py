@@ -158,18 +158,19 @@ class KVPool:
         Raises ValueError for a block id out of range.
         """
         ids = self._check_ids(block_ids)
-        shards = [tuple(np.asarray(a) for a in self.rank_arrays(r))
-                  for r in range(self.cp_degree)]
-        ks, vs = [], []
-        for k, b in enumerate(ids):
-            rk, rv = shards[(first_index + k) % self.cp_degree]
-            ks.append(rk[:, b])
-            vs.append(rv[:, b])
+        c = self.cp_degree
         layers, _, bs, kvh, d = self.device_shape
-        if not ks:
-            empty = np.zeros((layers, 0, kvh, d), np.dtype(self.k.dtype))
-            return empty, empty.copy()
-        return np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
+        dtype = np.dtype(self.k.dtype)
+        k_out = np.empty((layers, len(ids), bs, kvh, d), dtype)
+        v_out = np.empty_like(k_out)
+        for r in range(c):  # gather each rank's blocks on its device, then copy only those
+            where = [i for i in range(len(ids)) if (first_index + i) % c == r]
+            if where:
+                rk, rv = self.rank_arrays(r)
+                k_out[:, where] = np.asarray(rk[:, ids[where]])
+                v_out[:, where] = np.asarray(rv[:, ids[where]])
+        return (k_out.reshape(layers, len(ids) * bs, kvh, d),
+                v_out.reshape(layers, len(ids) * bs, kvh, d))
 
     def write_sequence(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray,
                        first_index: int = 0) -> None:

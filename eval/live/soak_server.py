@@ -1,11 +1,13 @@
 """The server-side half of a soak run's accounting (`eval.live.soak`), and its abandoned requests.
 
-- `metric_counts`: the request counters of `GET /metrics` (Prometheus text).
+- `metric_counts`: the request counters of `GET /metrics` (Prometheus text), each summed over
+  its labels (`model_name`, `engine`, `finished_reason`, `reason`; `serving/prom.py`).
 - `check_counts`: their change over the run against the client's ledger. Every request the
   server's API admitted is counted once, when it ends, in exactly one of
   `vertumnus:request_success_total` (completed, whether or not its client was still there),
   `..._aborted_total` (withdrawn before it started: its client disconnected),
-  `..._rejected_total` (refused: 429, 503) or `..._failure_total` (a failed prefill, 500). So
+  `..._rejected_total` (refused: 429, 503; also 413 and 408, which the soak does not provoke)
+  or `..._failure_total` (a failed prefill, 500). So
   with no lost request, success + aborted + rejected + failure must grow by exactly answered +
   refused + abandoned, failure by 0, success by at least answered, aborted by at most
   abandoned, rejected by at least refused. A server that ran a request twice counts one too
@@ -41,8 +43,8 @@ def metric_counts(text: str) -> dict:
     """The request counters of a `GET /metrics` answer (Prometheus text format).
 
     Returns:
-      `{"success", "failure", "aborted", "rejected"}` (requests; `rejected` summed over its
-      `reason` label) and `rejected_by_reason` ({reason: requests}).
+      `{"success", "failure", "aborted", "rejected"}` (requests, each summed over its labels)
+      and `rejected_by_reason` ({reason: requests}).
 
     Raises:
       ValueError: the text does not parse, or a counter is missing.
@@ -56,8 +58,8 @@ def metric_counts(text: str) -> dict:
                 continue
             out[key] = out.get(key, 0) + int(round(sample.value))
             if key == "rejected":
-                reason = sample.labels.get("reason", "")
-                out["rejected_by_reason"][reason] = int(round(sample.value))
+                reason, by = sample.labels.get("reason", ""), out["rejected_by_reason"]
+                by[reason] = by.get(reason, 0) + int(round(sample.value))
     missing = [COUNTERS[k] for k in COUNTERS if k not in out]
     if missing:
         raise ValueError(f"GET /metrics lacks {', '.join(missing)}")

@@ -111,8 +111,9 @@ def test_metrics_parse_and_count(client):
     assert workers == {"2": 2, "4": 1}
     assert "vertumnus:num_requests_waiting" in fams and "vertumnus:reconfigurations" in fams
     blocks = {s.labels["worker_id"]: s.value
-              for s in fams["vertumnus:kv_cache_usage_blocks"].samples}
-    perc = {s.labels["worker_id"]: s.value for s in fams["vertumnus:kv_cache_usage_perc"].samples}
+              for s in fams["vertumnus:worker_kv_cache_usage_blocks"].samples}
+    perc = {s.labels["worker_id"]: s.value
+            for s in fams["vertumnus:worker_kv_cache_usage_perc"].samples}
     totals = {str(w["worker_id"]): w["kv_blocks_total"] for w in client.get("/v1/workers").json()[
         "workers"]}
     assert perc == {w: blocks[w] / totals[w] for w in blocks} and max(perc.values()) > 0
@@ -246,6 +247,28 @@ def test_shutdown_deadline_answers_unfinished_with_503():
             await task
 
     asyncio.run(run())
+
+
+def test_request_answered_at_the_deadline_is_not_counted_again_when_it_ends():
+    _, engine = make_client(seconds=0.5)
+    seen = []
+
+    async def run():
+        await engine.start()
+        engine.record_hooks.append(seen.append)  # as the metrics' `observe`
+        task = asyncio.create_task(engine.prefill([5, 6]))
+        await asyncio.sleep(0.05)
+        engine.begin_shutdown(timeout=0.05)
+        with pytest.raises(ShuttingDown, match="shutdown timeout"):
+            await task
+        for _ in range(100):  # the prefill itself runs on and completes
+            if engine.scheduler.num_completed:
+                break
+            await asyncio.sleep(0.02)
+        await engine.shutdown()
+
+    asyncio.run(run())
+    assert engine.scheduler.num_completed == 1 and seen == []
 
 
 def test_shutdown_finishes_in_flight_then_refuses():

@@ -32,6 +32,8 @@ FIRST_PARTY = PACKAGES + ("tests",)
 # Attributes the imports do not show, by label (a list is added to the generated one).
 EXTRA = {
     "//serving:server": {"data": ['"data/tiny_cpu8.csv"']},
+    # `serving.prom.DASHBOARD`, read by tests/serving/test_metrics_names.py
+    "//serving:prom": {"data": ['"grafana/vertumnus-dashboard.json"']},
     # runs `python -m serving.main` in a subprocess
     "//tests/serving:test_main": {"deps": ['"//serving:main"']},
 }

@@ -133,9 +133,17 @@ def test_cli_warms_up_until_quiet_and_reports_measured_compilations(server_url, 
     # every round ("n/a": a split or merge changed the pool in that round).
     created = [line.rsplit(": ", 1)[1] for line in rounds]
     assert (created[-1] == "0" and "0" not in created[:-1]) or len(created) == 4, created
-    (path,) = tmp_path.glob("*__live.json")
+    (path,) = tmp_path.glob("vertumnus-tiny-toolagent-*.json")
     result = json.loads(path.read_text())
     assert result["completed"] > 0 and result["failed"] == 0
+    # `vllm bench serve`'s keys too, TTFT statistics over the per-request `ttfts`
+    n = result["num_prompts"]
+    assert result["backend"] == "vertumnus" and result["model_id"] == "tiny"
+    assert len(result["ttfts"]) == len(result["input_lens"]) == n == result["completed"]
+    assert result["total_input_tokens"] == sum(result["input_lens"])
+    assert result["output_lens"] == [1] * n and result["errors"] == [""] * n
+    assert result["mean_ttft_ms"] == pytest.approx(1e3 * sum(result["ttfts"]) / n)
+    assert result["settings"]["warmup_rounds"] == 4 and result["composition"]
     assert result["measured_executables_created"] >= 0
     assert (f"prefill executables created during the measured run: "
             f"{result['measured_executables_created']}") in proc.stdout
@@ -198,6 +206,22 @@ def test_cli_replays_agent_sessions_closed_loop(server_url, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "closed-loop" in proc.stdout
-    result = json.loads((tmp_path / "agents__live.json").read_text())
+    (path,) = tmp_path.glob("vertumnus-tiny-agents-*.json")
+    result = json.loads(path.read_text())
     assert result["replay"] == "closed-loop" and result["failed"] == 0
     assert result["completed"] + result["unsent_requests"] == 3 * result["sessions_started"]
+
+
+def test_openai_backend_streams_from_our_server_too(server_url):
+    """`backend="openai"` reads our server's SSE stream (`stream: true`) as vLLM's: one token
+    chunk, a usage chunk, `[DONE]`; no `/v1/workers` state."""
+    url, engine = server_url
+    reqs, _ = workload("", "auto", duration=2.0, rate=0.0, seed=5, trace_block_size=512)
+    pairs = scaled_requests(reqs[:4], PromptScale(16, 256, max_len=1024), 16)
+    records, state = asyncio.run(replay(url, pairs, backend="openai", model="tiny"))
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert [r.first_token for r in records] == [sum(t) % 256 for _, t in pairs]
+    outs = state["outputs"]
+    assert [o.output_tokens for o in outs] == [1] * 4 and all(o.ttft > 0 for o in outs)
+    assert all(o.cached_tokens is not None for o in outs) and "composition" not in state
+    assert engine.scheduler.num_completed == 4

@@ -297,12 +297,15 @@ def test_server_counters_against_the_ledger():
 
 def test_metric_counts_and_idle_pool():
     r = CollectorRegistry()
-    Counter("vertumnus:request_success", "x", registry=r).inc(7)
-    Counter("vertumnus:request_failure", "x", registry=r)
-    Counter("vertumnus:request_aborted", "x", registry=r).inc(2)
-    rejected = Counter("vertumnus:request_rejected", "x", ["reason"], registry=r)
-    rejected.labels("overloaded").inc(3)
-    rejected.labels("no_worker_fits").inc()
+    success = Counter("vertumnus:request_success", "x",
+                      ["model_name", "engine", "finished_reason"], registry=r)
+    success.labels("m", "0", "length").inc(7)
+    Counter("vertumnus:request_failure", "x", ["model_name"], registry=r).labels("m")
+    Counter("vertumnus:request_aborted", "x", ["model_name", "reason"], registry=r).labels(
+        "m", "client_disconnected").inc(2)
+    rejected = Counter("vertumnus:request_rejected", "x", ["model_name", "reason"], registry=r)
+    rejected.labels("m", "overloaded").inc(3)
+    rejected.labels("m", "no_worker_fits").inc()
     text = generate_latest(r).decode()
     assert metric_counts(text) == {"success": 7, "failure": 0, "aborted": 2, "rejected": 4,
                                    "rejected_by_reason": {"overloaded": 3, "no_worker_fits": 1}}

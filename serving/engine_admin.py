@@ -1,0 +1,128 @@
+"""The operator's side of the live pool: split and merge by hand, the reconfiguration log,
+the prefix-cache reset and the per-worker view of `GET /v1/workers`.
+
+`EngineAdmin` is a base of `serving.engine.Engine` (it uses the engine's `scheduler`,
+`backend`, `config`, `degrees`, `now` and `_admin_epochs`); every method runs on the engine's
+event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serving.policy.worker import WorkerStatus, merge_buddies, split_halves
+
+# Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
+# runs for months; the counters count all).
+RECONFIG_LOG_LIMIT = 256
+
+
+class EngineAdmin:
+    """Split, merge, reconfiguration log, prefix-cache reset and worker listing of `Engine`."""
+
+    def split(self, worker_id: int) -> int:
+        """Splits an ACTIVE worker of degree 2C into its halves; returns the new epoch.
+
+        Raises:
+          StrandedRequests: (nothing changed) waiting requests that only this worker, or one
+            as large, could hold (`Reconfigurations.refuse_stranding`).
+          ValueError: (nothing changed) an unknown, draining or degree-1 worker.
+        """
+        s = self.scheduler
+        w = s.workers.get(worker_id)
+        if w is None or w.status is not WorkerStatus.ACTIVE:
+            raise ValueError(f"worker_id={worker_id} is not an ACTIVE worker "
+                             f"(workers: {sorted(s.workers)})")
+        if w.cp_degree < 2:
+            raise ValueError(f"worker_id={worker_id} has cp_degree=1 and cannot be split")
+        self._check_degree(w.cp_degree // 2, "split")
+        specs = split_halves(w.spec, s.new_worker_ids(2), self.config.max_input_len)
+        epoch = s.begin_reconfiguration("split", [worker_id], specs, self.now()).epoch
+        self._admin_epochs.add(epoch)
+        return epoch
+
+    def merge(self, worker_ids: Sequence[int]) -> int:
+        """Merges two ACTIVE buddy workers into their aligned group; returns the new epoch.
+
+        Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies.
+        """
+        s = self.scheduler
+        if len(worker_ids) != 2 or len(set(worker_ids)) != 2:
+            raise ValueError(f"worker_ids must name two distinct workers, got {list(worker_ids)}")
+        ws = [s.workers.get(i) for i in worker_ids]
+        if any(w is None or w.status is not WorkerStatus.ACTIVE for w in ws):
+            raise ValueError(f"worker_ids={list(worker_ids)} must be ACTIVE workers "
+                             f"(workers: {sorted(s.workers)})")
+        a, b = sorted(ws, key=lambda w: w.spec.first_device)
+        self._check_degree(2 * a.cp_degree, "merge")
+        spec = merge_buddies(a.spec, b.spec, s.new_worker_ids(1)[0], self.config.max_input_len)
+        epoch = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec],
+                                        self.now()).epoch
+        self._admin_epochs.add(epoch)
+        return epoch
+
+    def _check_degree(self, c: int, kind: str) -> None:
+        if c not in self.degrees:
+            raise ValueError(f"a {kind} would create CP degree {c}, not one of the pool's "
+                             f"degrees {list(self.degrees)} (--degrees, each with a profile)")
+
+    def reconfigurations(self, limit: int = RECONFIG_LOG_LIMIT) -> list[dict]:
+        """The latest `limit` finished splits and merges (at most `RECONFIG_LOG_LIMIT` are kept;
+        `scheduler.reconfig.num_finished` counts all), oldest first, each with `origin`: "admin"
+        (the API) or "controller"."""
+        log = list(self.scheduler.reconfig.log)
+        return [self._with_origin(r) for r in log[max(0, len(log) - limit):]]
+
+    def _with_origin(self, record: dict) -> dict:
+        return {**record, "origin": "admin" if record["epoch"] in self._admin_epochs
+                else "controller"}
+
+    def reset_prefix_cache(self) -> int:
+        """Empties every worker's prefix cache and the scheduler's index of it; returns the
+        number of blocks freed (vLLM's `/reset_prefix_cache`, e.g. between benchmark runs).
+
+        Raises ValueError (nothing changed) while requests, splits, merges, copies or
+        reclamations are in flight.
+        """
+        s = self.scheduler
+        if s.num_in_flight or s.reconfig.in_progress or s.copies.in_flight or s.copies.reclaims:
+            raise ValueError("the prefix cache can be reset only while the pool is idle (no "
+                             "request, split, merge, copy or reclamation in flight)")
+        freed = 0
+        for wid, evicted in self.backend.reset_prefix_cache().items():
+            s.kv_events(wid, (), evicted)
+            freed += len(evicted)
+        return freed
+
+    def workers(self) -> list[dict]:
+        """Per worker (device order): id, CP degree, devices, epoch, status, queue, cache use,
+        and the prefill executables created for its devices so far (one per padded length and
+        cached-prefix bucket; a new one compiles on first use, seconds on a CPU, or loads from
+        the persistent compilation cache)."""
+        out = []
+        describe = getattr(self.backend, "describe_worker", None)  # a remote backend's view
+        for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
+            if describe is not None:
+                view = describe(w.worker_id) or {}
+                cached = view.get("kv_blocks_cached", 0)
+                compiled = view.get("prefill_executables", 0)
+            else:
+                cached, compiled = self._local_view(w.worker_id)
+            out.append({
+                "worker_id": w.worker_id, "cp_degree": w.cp_degree,
+                "host": getattr(w.spec, "host", 0),
+                "first_device": w.spec.first_device, "epoch": w.epoch,
+                "status": w.status.name.lower(), "queued_requests": len(w.queue),
+                "running": w.running is not None,
+                "outstanding_seconds": w.queued_seconds + w.running_estimate,
+                "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks,
+                "prefill_executables": compiled})
+        return out
+
+    def _local_view(self, worker_id: int) -> tuple[int, int]:
+        """(cached blocks, prefill executables for its devices) of an in-process worker."""
+        live = self.backend.workers.get(worker_id)
+        if live is None or live.retired is not None:
+            return 0, 0  # re-carved on the recarve thread, replaced when `finish` runs
+        devices = live.device_ids  # list(): a prefill thread may add one meanwhile
+        return len(live.cache), sum(1 for key in list(live.executables) if key[0] == devices)
