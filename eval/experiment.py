@@ -114,7 +114,8 @@ class ReplayEnv:
 
             pools[par] = PoolConfig(
                 cfg.num_gpus, kv_blocks, max_input_len, PrefillCostModel.fit(tab),
-                tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.replication_gb_per_s, par)
+                tuple(cfg.degrees), model.kv_bytes_per_token, cfg.sim.replication_gb_per_s, par,
+                scaleout_gb_per_s=cfg.sim.scaleout_gb_per_s)
         sim = dataclasses.replace(cfg.sim, kv_bytes_per_token=model.kv_bytes_per_token)
         # The SLO reference is the run's largest --degrees entry (when the profile has it), so
         # SLOs do not depend on which systems a run lists.
@@ -284,6 +285,24 @@ def simulate_system(env: ReplayEnv, cfg: ReplayConfig, system: System,
     return records, handle[0]
 
 
+def host_results(sched: Scheduler, sim: SimConfig, num_gpus: int) -> dict:
+    """Result keys of a run with hosts (none for a one-host run without failures, whose
+    results stay as they were): `gpus_per_host`, `num_hosts`, `scaleout_gb_per_s`,
+    `host_events` (each loss and return: `serving.policy.membership.Membership.log`),
+    `requests_rerouted` and `requests_failed_by_host_loss` (running + unplaceable),
+    `failed_copies` (copies given up as a worker of theirs was lost)."""
+    if not (sim.gpus_per_host or sim.host_failures):
+        return {}
+    log = sched.membership.log
+    lost = [e for e in log if e["kind"] == "lost"]
+    return {"gpus_per_host": sim.gpus_per_host, "scaleout_gb_per_s": sim.scaleout_gb_per_s,
+            "num_hosts": num_gpus // sim.gpus_per_host if sim.gpus_per_host else 1,
+            "host_events": log, "requests_rerouted": sum(e["rerouted"] for e in lost),
+            "requests_failed_by_host_loss": sum(e["failed_running"] + e["failed_unplaceable"]
+                                                for e in lost),
+            "failed_copies": len(sched.copies.failed)}
+
+
 def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cfg: ReplayConfig,
               progress: bool = False,
               on_records: Callable[[str, float, list[RequestRecord]], None] | None = None,
@@ -366,5 +385,6 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
             "replicated_blocks": sum(log["blocks"] for log in sched.copies.log),
             "reclamations": len(sched.copies.reclaim_log),
         })
+        out.update(host_results(sched, env.sim, cfg.num_gpus))
         results.append(out)
     return results, env

@@ -32,10 +32,12 @@ from absl import app, flags
 
 from eval import report
 from eval.experiment import ReplayConfig, run_degrees, run_sweep
+from eval.replay_config import parse_host_failures
 from eval.sim.simulator import SimConfig
 from eval.traces.loaders import load_trace, sample_window
 from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import tool_agent_workload, workload_stats
+from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.specs import GPUS, MODELS
 
 _TRACE = flags.DEFINE_string("trace", "", "Trace file, or a folder of agent-session files "
@@ -106,6 +108,17 @@ _XFER = flags.DEFINE_float("kv_transfer_gb_per_s", 50.0,
                            "KV transfer bandwidth to the decode pool (GB/s); 0 = free.", lower_bound=0)
 _FIRST = flags.DEFINE_float("first_token_ms", 20.0, "Decode step that emits the first token (ms).",
                             lower_bound=0)
+_PER_HOST = flags.DEFINE_integer(
+    "gpus_per_host", 0, "GPUs per host: workers get hosts of this many GPUs and never span two "
+    "(8 = the paper's 5 x 8 pool on 40 GPUs); 0 = every GPU on one host.", lower_bound=0)
+_SCALEOUT = flags.DEFINE_float(
+    "scaleout_gb_per_s", SCALEOUT_GB_PER_S, "Bandwidth of a prefix copy between workers of "
+    "different hosts (GB/s; within a host copies run at 100); 0 = free. Default: one 200 Gb/s "
+    "NIC.", lower_bound=0.0)
+_FAIL_HOST = flags.DEFINE_multi_string(
+    "fail_host", [], "Simulated host failure H@T (host H dies T seconds into each run; its "
+    "queued requests are re-routed, its running ones fail) or H@T:B (it comes back at B s as "
+    "new workers). Repeatable.")
 _OUT = flags.DEFINE_string("output_dir", "out/replay", "Where JSON, table and plots go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar over the sweep.")
 
@@ -166,7 +179,7 @@ def main(argv):
             degrees = tuple(int(d) for d in _DEGREES.value)
         except ValueError:
             raise ValueError(f"--degrees must be integers, got {_DEGREES.value}") from None
-        for flag in (_FIRST, _XFER, _NOISE, _DURATION, _WINDOW, _LEVAL_RATE, _SESSION_RATE, _TPOT,
+        for flag in (_FIRST, _XFER, _SCALEOUT, _NOISE, _DURATION, _WINDOW, _LEVAL_RATE, _SESSION_RATE, _TPOT,
                      _WINDOW_S, _MAX_THINK):
             if not math.isfinite(flag.value):
                 raise ValueError(f"--{flag.name} must be a finite number, got {flag.value}")
@@ -175,7 +188,9 @@ def main(argv):
             num_gpus=_GPUS.value, degrees=degrees, systems=tuple(_SYSTEMS.value),
             load_factors=_floats(_LOADS.value, "load_factors"), slo=_SLO.value,
             noise_sigma=_NOISE.value, seed=_SEED.value, kv_blocks_per_gpu=_KV_BLOCKS.value,
-            sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3),
+            sim=SimConfig(kv_transfer_gb_per_s=_XFER.value, first_token_seconds=_FIRST.value / 1e3,
+                          scaleout_gb_per_s=_SCALEOUT.value, gpus_per_host=_PER_HOST.value,
+                          host_failures=parse_host_failures(_FAIL_HOST.value)),
             tpot_ms=_TPOT.value, session_window_s=_WINDOW_S.value,
             max_think_time_s=_MAX_THINK.value)
         run_degrees(ReplayConfig(**settings))  # unknown systems fail before loading anything
@@ -234,6 +249,8 @@ def write_outputs(results, env, cfg, name, degrees) -> None:
     extra = {"degrees": list(degrees), "window_s": _WINDOW.value, "block_size": _BLOCK.value,
              "trace_block_size": _TRACE_BLOCK.value,
              "kv_transfer_gb_per_s": _XFER.value, "first_token_ms": _FIRST.value}
+    if _PER_HOST.value or _FAIL_HOST.value or _SCALEOUT.present:  # (one-host runs: as before)
+        extra.update(gpus_per_host=_PER_HOST.value, scaleout_gb_per_s=_SCALEOUT.value)
     os.makedirs(_OUT.value, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".replay-", dir=_OUT.value)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from eval.sim.simulator import SimConfig
 from eval.slo import SloSpec
@@ -37,8 +38,8 @@ class ReplayConfig:
         hbm_utilization - weight_bytes) / (kv_bytes_per_token * block_size)` (each device holds a
         full weight replica, DESIGN.md).
       hbm_utilization: share of HBM usable by weights and KV.
-      sim: `SimConfig` (KV transfer bandwidth, first-token time, tick); its kv_bytes_per_token is
-        filled from the model.
+      sim: `SimConfig` (KV transfer bandwidth, first-token time, tick, hosts: `gpus_per_host`,
+        `scaleout_gb_per_s`, `host_failures`); its kv_bytes_per_token is filled from the model.
       tpot_ms: closed-loop sessions only: decode milliseconds per output token, so a response
         ends `output_len x tpot_ms` after its first token. 30 ms: a decode pool serving a
         Qwen3-30B-A3B-class model at moderate batch runs at about 20-50 ms per output token
@@ -97,7 +98,46 @@ class ReplayConfig:
         if not 0 < self.hbm_utilization <= 1:
             raise ValueError(f"hbm_utilization must be in (0, 1], got {self.hbm_utilization}")
         SloSpec.parse(self.slo)
+        self._check_hosts()
+
+    def _check_hosts(self) -> None:
+        """Hosts of `sim.gpus_per_host` GPUs must tile the pool and hold every CP degree of
+        `degrees` whole (a worker never spans hosts); failed hosts must exist.
+
+        Raises:
+          ValueError: naming the flag (`--gpus_per_host`, `--degrees`, `--fail_host`).
+        """
+        m = self.sim.gpus_per_host
+        if m and self.num_gpus % m:
+            raise ValueError(f"--gpus_per_host={m} must divide --num_gpus={self.num_gpus} "
+                             "(hosts of equal size)")
+        spanning = [c for c in self.degrees if m and (c > m or m % c)]
+        if spanning:
+            raise ValueError(f"--degrees {spanning} would make workers span hosts of "
+                             f"--gpus_per_host={m} GPUs: a CP degree must divide it")
+        hosts = self.num_gpus // m if m else 1
+        bad = [f[0] for f in self.sim.host_failures if f[0] >= hosts]
+        if bad:
+            raise ValueError(f"--fail_host: host(s) {bad} do not exist; the pool has hosts "
+                             f"0..{hosts - 1} (--num_gpus / --gpus_per_host)")
 
     @property
     def system_names(self) -> list[str]:
         return expand_systems(self.systems, self.degrees)
+
+
+def parse_host_failures(values) -> tuple[tuple[int, float, float | None], ...]:
+    """`--fail_host` values `H@T` or `H@T:B` as `SimConfig.host_failures` entries.
+
+    Raises:
+      ValueError: a value of another form, naming the flag.
+    """
+    out = []
+    for v in values:
+        m = re.fullmatch(r"(\d+)@([0-9.eE+-]+)(?::([0-9.eE+-]+))?", v.strip())
+        try:
+            out.append((int(m.group(1)), float(m.group(2)),
+                        float(m.group(3)) if m.group(3) else None))
+        except (AttributeError, ValueError):
+            raise ValueError(f"--fail_host must be H@T or H@T:B (host, seconds), got {v!r}") from None
+    return tuple(out)

@@ -10,10 +10,9 @@ per degree, the fitted cost model). Built in here:
   demand sample (`serving.policy.composition.choose_initial`), the placement-cost router (G
   against the cheapest degree), the what-if split/merge controller
   (`serving.policy.composition.CompositionController`) and the global prefix-cache manager;
-  `vertumnus-nocache` without the cache manager, `vertumnus-static` without controller and
-  cache manager (ablations); `vertumnus-fetch` with
-  `serving.policy.fetch_router.FetchingVertumnusRouter` (the placement cost may fetch another
-  worker's prefix);
+  `vertumnus-nocache` without the cache manager, `vertumnus-static` without controller and cache
+  manager (ablations); `vertumnus-fetch` with `serving.policy.fetch_router.
+  FetchingVertumnusRouter` (the placement cost may fetch another worker's prefix);
 - `vertumnus-paper`: the policy as the paper describes it (initial composition with the most
   large-degree workers that has enough capacity, G against the cheapest worker, the threshold
   controller `serving.policy.controller.ReconfigurationController`); `vertumnus-paper+replay`
@@ -50,6 +49,7 @@ from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.plugins import call_plugin, construct_router, guard_system, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.router import LeastWorkRouter, Router
 from serving.policy.request import Request
 from serving.policy.scheduler import CostModel, Scheduler
@@ -93,8 +93,8 @@ class PoolConfig:
       degrees: the CP degrees of the comparison (`--degrees`), for mixed compositions.
       kv_bytes_per_token: K and V bytes of one token, all layers (the model's KV size); routers
         that price KV copies between workers use it.
-      kv_transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (0 = free); the
-        simulator copies at `SimConfig.replication_gb_per_s`, which `ReplayEnv` passes here.
+      kv_transfer_gb_per_s, scaleout_gb_per_s: bandwidth of a KV copy between workers of one
+        host / of two hosts, GB/s (0 = free); `ReplayEnv` passes the simulator's here.
       parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
         (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
       demand: the workload's historical `Demand`, for systems that size their initial
@@ -110,6 +110,7 @@ class PoolConfig:
     kv_transfer_gb_per_s: float = 100.0
     parallelism: str = "cp"
     demand: Demand | None = None
+    scaleout_gb_per_s: float = SCALEOUT_GB_PER_S
 
     def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
         """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
@@ -245,7 +246,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         routers = {"cost": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="worker"),
                    "cost-degree": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="degree"),
                    "fetch": lambda: FetchingVertumnusRouter(
-                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s, beta=beta, lam=lam)}
+                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s, beta=beta, lam=lam,
+                       scaleout_gb_per_s=pool.scaleout_gb_per_s)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
         elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
@@ -277,10 +279,11 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     elif controller:
         setup.append(ReconfigurationController(ctl_cfg, pool.num_gpus, pool.max_input_len).attach)
     if cache_manager:
-        setup.append(PrefixCacheManager(cache_config or CacheManagerConfig()).attach)
+        setup.append(PrefixCacheManager(cache_config or CacheManagerConfig(),
+                                        pool.kv_transfer_gb_per_s, pool.scaleout_gb_per_s).attach)
     router = (FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
-                                      beta=beta, lam=lam) if fetch
-              else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost))
+                                      beta=beta, lam=lam, scaleout_gb_per_s=pool.scaleout_gb_per_s)
+              if fetch else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost))
     return System(name, pool.workers(comp), router, setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 

@@ -3,7 +3,9 @@
 Implements `serving.policy.backend.Backend` for `eval.sim.simulator.simulate`: prefills are charged the
 ground-truth time for the hit the worker's local cache actually gives; split and merge re-carve
 caches (`eval.sim.local_cache.split_cache`); prefix copies and reclamations change caches when they
-complete, and only then reach the scheduler's prefix index.
+complete, and only then reach the scheduler's prefix index. Workers carry a host id: a copy
+between hosts runs at the scale-out bandwidth (`SimConfig.scaleout_gb_per_s`), and a host can
+fail and come back (`SimConfig.host_failures`, driven by `eval.sim.simulator`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from eval.sim.local_cache import LocalPrefixCache, split_cache
 from serving.policy.backend import PrefillResult
 from serving.policy.checks import require_finite
-from serving.policy.replication import copy_seconds
+from serving.policy.replication import SCALEOUT_GB_PER_S, copy_seconds, link_gb_per_s
 from serving.policy.request import Request
 from serving.policy.worker import WorkerSpec
 
@@ -32,9 +34,18 @@ class SimConfig:
       recarve_seconds: time of a split or merge after the drain (new meshes, executables,
         KV re-striping), seconds. The paper measured 1.1 to 5.1 s per operation, most of it
         drain, which the simulator models separately.
-      replication_gb_per_s: bandwidth of prefix copies between workers, GB/s; 0 = instant.
-        Default 100 GB/s: well under NVLink's 450 GB/s per direction, as copies compete with
-        the CP all-gathers.
+      replication_gb_per_s: bandwidth of prefix copies between workers of one host, GB/s;
+        0 = instant. Default 100 GB/s: well under NVLink's 450 GB/s per direction, as copies
+        compete with the CP all-gathers.
+      scaleout_gb_per_s: bandwidth of prefix copies between workers of different hosts, GB/s;
+        0 = instant. Default 25 GB/s, one 200 Gb/s NIC
+        (`serving.policy.replication.SCALEOUT_GB_PER_S` says why).
+      gpus_per_host: devices per host (the paper's pool: 5 hosts of 8); workers get host
+        `first_device // gpus_per_host` and never span hosts. 0 (default): every GPU on one
+        host, as before hosts existed.
+      host_failures: `(host, fail_time_s, back_time_s or None)` per simulated host failure:
+        at `fail_time_s` the host's workers are lost (`Scheduler.lose_workers`), and at
+        `back_time_s` (if given) the host joins again as new workers of the same degrees.
     """
 
     kv_bytes_per_token: int = 0
@@ -43,6 +54,9 @@ class SimConfig:
     tick_interval: float = 1.0
     recarve_seconds: float = 1.0
     replication_gb_per_s: float = 100.0
+    scaleout_gb_per_s: float = SCALEOUT_GB_PER_S
+    gpus_per_host: int = 0
+    host_failures: tuple[tuple[int, float, float | None], ...] = ()
 
     def __post_init__(self) -> None:
         require_finite(self, ("kv_transfer_gb_per_s", "first_token_seconds", "tick_interval",
@@ -61,6 +75,19 @@ class SimConfig:
             raise ValueError(f"replication_gb_per_s must be >= 0, got {self.replication_gb_per_s}")
         if self.recarve_seconds < 0:
             raise ValueError(f"recarve_seconds must be >= 0 seconds, got {self.recarve_seconds}")
+        if not self.scaleout_gb_per_s >= 0:
+            raise ValueError(f"scaleout_gb_per_s must be >= 0, got {self.scaleout_gb_per_s}")
+        if isinstance(self.gpus_per_host, bool) or not isinstance(self.gpus_per_host, int) \
+                or self.gpus_per_host < 0:
+            raise ValueError(f"gpus_per_host must be an integer >= 0 (0 = one host), got "
+                             f"{self.gpus_per_host!r}")
+        for f in self.host_failures:
+            ok = isinstance(f, tuple) and len(f) == 3 and isinstance(f[0], int) and f[0] >= 0
+            ok = ok and isinstance(f[1], (int, float)) and 0 <= f[1] < float("inf")
+            ok = ok and (f[2] is None or (isinstance(f[2], (int, float)) and f[1] < f[2] < float("inf")))
+            if not ok:
+                raise ValueError(f"host_failures entries must be (host >= 0, fail time >= 0 s, "
+                                 f"back time > fail time or None), got {f!r}")
 
     def after_prefill_seconds(self, input_len: int) -> float:
         """KV transfer of `input_len` tokens plus the first decode step, in seconds."""
@@ -91,6 +118,7 @@ class SimulatedBackend:
                  push_call: Callable[[float, Callable[[], None]], None]) -> None:
         self.caches = {w.worker_id: LocalPrefixCache(w.kv_capacity_blocks) for w in workers}
         self.degrees = {w.worker_id: w.cp_degree for w in workers}
+        self.hosts = {w.worker_id: w.host for w in workers}
         self._prefill_seconds = prefill_seconds
         self._config = config
         self._push = push_completion
@@ -111,7 +139,7 @@ class SimulatedBackend:
         rec = reconfiguration
         olds = [self.caches.pop(w) for w in rec.old_ids]
         for w in rec.old_ids:
-            del self.degrees[w]
+            del self.degrees[w], self.hosts[w]
         if rec.kind == "merge":
             [spec] = rec.new_specs
             merged = LocalPrefixCache(spec.kv_capacity_blocks)
@@ -127,12 +155,14 @@ class SimulatedBackend:
         for spec in rec.new_specs:
             self.caches[spec.worker_id] = new[spec.worker_id]
             self.degrees[spec.worker_id] = spec.cp_degree
+            self.hosts[spec.worker_id] = spec.host
         blocks = {wid: [h for h, _ in c.blocks()] for wid, c in new.items()}
         done_at = now + self._config.recarve_seconds
 
         def finish():
             self.scheduler.finish_reconfiguration(rec.epoch, done_at, blocks)
-            self._share(new)
+            # (a change abandoned because its host failed activates nothing)
+            self._share({w: c for w, c in new.items() if w in self.scheduler.workers})
 
         self._push_call(done_at, finish)
 
@@ -150,17 +180,36 @@ class SimulatedBackend:
             for worker_id, cache in caches.items():
                 share(worker_id, cache.block_view())
 
+    def add_workers(self, specs: Sequence[WorkerSpec]) -> None:
+        """Empty caches for workers joining the pool (a host back), shared with the index; call
+        before `Scheduler.add_workers`."""
+        for w in specs:
+            self.caches[w.worker_id] = LocalPrefixCache(w.kv_capacity_blocks)
+            self.degrees[w.worker_id], self.hosts[w.worker_id] = w.cp_degree, w.host
+        self._share({w.worker_id: self.caches[w.worker_id] for w in specs})
+
+    def drop_workers(self, worker_ids) -> None:
+        """Forgets lost workers (their host failed; `Scheduler.lose_workers` ran): their caches
+        go, and their pending prefill completions are dropped (`finish_prefill`)."""
+        for w in worker_ids:
+            self.caches.pop(w, None)
+            self.degrees.pop(w, None)
+            self.hosts.pop(w, None)
+
     def replicate(self, replication, now: float) -> None:
-        """Copies the missing blocks at `replication_gb_per_s`; visible when the copy is done.
+        """Copies the missing blocks at `replication_gb_per_s` within a host, at
+        `scaleout_gb_per_s` across hosts; visible when the copy is done. A copy whose source or
+        destination is lost meanwhile changes nothing (`PrefixCopies.drop_workers`).
 
         The source's blocks are read when the copy starts (the simulated copy does not occupy
         either worker's prefill queue: NVLink/RDMA DMA in the background). A copy made for one
         request (`Replication.request_id`, a router's transfer plan) holds that request's
         prefill until it is done (`start_prefill`).
         """
-        rep = replication
-        done = now + copy_seconds(rep.num_blocks, rep.block_size, self._config.kv_bytes_per_token,
-                                  self._config.replication_gb_per_s)
+        rep, cfg = replication, self._config
+        bw = link_gb_per_s(self.hosts.get(rep.src, 0), self.hosts.get(rep.dst, 0),
+                           cfg.replication_gb_per_s, cfg.scaleout_gb_per_s)
+        done = now + copy_seconds(rep.num_blocks, rep.block_size, cfg.kv_bytes_per_token, bw)
         if rep.request_id is not None:
             self._awaited[rep.request_id] = (rep.dst, done, rep)
 
@@ -170,6 +219,8 @@ class SimulatedBackend:
                 if entry is not None and entry[2] is rep:
                     del self._awaited[rep.request_id]
             cache = self.caches.get(rep.dst)
+            if cache is None or self.scheduler.copies.is_dropped(rep):
+                cache = None  # a worker of the copy was lost: nothing arrives
             inserted, evicted = cache.insert_chain(rep.chain) if cache is not None else ([], [])
             self.scheduler.copies.finish(rep, done, inserted, evicted)
 
@@ -198,7 +249,9 @@ class SimulatedBackend:
                 done = entry[1]
                 self._push_call(done, lambda: self.start_prefill(worker_id, request, done))
                 return
-        cache = self.caches[worker_id]
+        cache = self.caches.get(worker_id)
+        if cache is None:
+            return  # the worker was lost while the copy ran: the scheduler failed the request
         bs, n = request.block_size, request.input_len
         total = -(-n // bs)
         hit, evicted = cache.begin(request.block_hashes, (n - 1) // bs, total)  # max cacheable
@@ -210,6 +263,8 @@ class SimulatedBackend:
     def finish_prefill(self, payload: tuple, now: float) -> None:
         """The completion event of `start_prefill`: caches the new full blocks, reports them."""
         worker_id, request, hit, total = payload
+        if worker_id not in self.caches:
+            return  # the worker was lost mid-prefill: `Scheduler.lose_workers` failed it
         bs = request.block_size
         inserted = self.caches[worker_id].finish(request.block_hashes, hit,
                                                  request.input_len // bs, total)  # full blocks

@@ -12,6 +12,10 @@ request list (open loop) or made during the run by an `ArrivalSource` (closed lo
 next request is an event created when its previous request completes); ties are ordered
 completions first, then backend callbacks (copies, re-carves), then arrivals, then ticks, then
 by sequence.
+
+Hosts (issue 19): with `SimConfig.gpus_per_host` the workers are placed on hosts of that many
+GPUs (a worker never spans two), copies across hosts run at the scale-out bandwidth, and
+`SimConfig.host_failures` makes hosts fail (and come back) during the run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from serving.policy.prefix_index import PrefixIndex
 from serving.policy.request import Request, RequestRecord
 from serving.policy.router import Router
 from serving.policy.scheduler import CostModel, Scheduler
-from serving.policy.worker import WorkerSpec
+from serving.policy.worker import WorkerSpec, assign_hosts
 
 _COMPLETE, _CALL, _ARRIVAL, _TICK = 0, 1, 2, 3
 
@@ -93,7 +97,8 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
       One `RequestRecord` per request, in completion order.
 
     Raises:
-      ValueError: requests not sorted by arrival time.
+      ValueError: requests not sorted by arrival time, or a worker that would span hosts of
+        `config.gpus_per_host` GPUs (`--gpus_per_host`).
       RuntimeError: the run ended with requests still in flight (a scheduler bug).
     """
     if requests and requests[-1].arrival_time > MAX_TIME_S:
@@ -136,6 +141,12 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
             records.append(record)
             push_arrivals(arrivals.on_record(record))
 
+    if config.gpus_per_host:
+        try:
+            workers = assign_hosts(workers, config.gpus_per_host)
+        except ValueError as e:
+            raise ValueError(f"--gpus_per_host={config.gpus_per_host}: {e} (give CP degrees "
+                             f"that divide --gpus_per_host)") from None
     backend = SimulatedBackend(workers, prefill_seconds, config, push_completion, push_call)
     scheduler = Scheduler(workers, cost_model, router, backend, listener=listener,
                           prefix_index=prefix_index)
@@ -144,6 +155,8 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     scheduler.tick_hooks.extend(tick_hooks)
     for f in setup:
         f(scheduler)
+    for host, fail_at, back_at in config.host_failures:
+        push_call(fail_at, _host_failure(scheduler, backend, push_call, host, fail_at, back_at))
     if arrivals is not None:
         push_arrivals(arrivals.start())
     tick = config.tick_interval
@@ -162,6 +175,30 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     if scheduler.num_in_flight:
         raise RuntimeError(f"{scheduler.num_in_flight} requests still in flight at the end")
     return records
+
+
+def _host_failure(scheduler: Scheduler, backend: SimulatedBackend, push_call, host: int,
+                  fail_at: float, back_at: float | None) -> Callable[[], None]:
+    """The event of host `host` failing at `fail_at`: its workers are lost
+    (`Scheduler.lose_workers`; nothing happens when it has none), and at `back_at` (if given) it
+    joins again as new workers of the degrees it had when it failed."""
+    def fail() -> None:
+        ids = scheduler.membership.host_worker_ids(host)
+        if not ids:
+            return
+        specs = [scheduler.workers[w].spec for w in ids if w in scheduler.workers]
+        scheduler.lose_workers(ids, fail_at, f"host {host} failed (simulated)")
+        backend.drop_workers(ids)
+        if back_at is not None:
+            push_call(back_at, lambda: back(specs))
+
+    def back(specs: list[WorkerSpec]) -> None:
+        new = [dataclasses.replace(sp, worker_id=wid)
+               for sp, wid in zip(specs, scheduler.new_worker_ids(len(specs)))]
+        backend.add_workers(new)
+        scheduler.add_workers(new, back_at)
+
+    return fail
 
 
 def _run_events(requests: Sequence[Request], heap: list, scheduler: Scheduler, tick: float,

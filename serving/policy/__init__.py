@@ -5,7 +5,8 @@ the simulated backend in `eval/` and by the live JAX backend. Public names:
 
 - requests: `Request`, `chain_block_hashes`, `prompt_block_hashes` (token ids -> the chain),
   `block_content_id`, `num_blocks`;
-- workers: `WorkerSpec`, `WorkerState`, `WorkerStatus`, `layout_workers`, `homogeneous_degrees`;
+- workers: `WorkerSpec` (with its host), `WorkerState`, `WorkerStatus`, `layout_workers`,
+  `homogeneous_degrees`;
 - scheduling: `Scheduler`, `RequestRecord`, `Backend`, `PrefillResult`, `PrefixIndex`;
 - routing: `Router` (protocol), `LeastWorkRouter`;
 - cost: `PrefillCostModel` (profiles and GPU/model specs live in `serving.policy.profiles`,
@@ -13,7 +14,8 @@ the simulated backend in `eval/` and by the live JAX backend. Public names:
 
 Modules: `request`, `worker`, `backend` (the protocol both backends implement), `scheduler`
 (queues, reservations, exactly-once completion) and its collaborators `reconfiguration`
-(epochs, splits and merges in progress) and `replication` (prefix copies and reclamations),
+(epochs, splits and merges in progress), `replication` (prefix copies and reclamations, priced
+by host) and `membership` (workers lost with their host, or added),
 `router` (protocol), `cost_router` and `fetch_router` (Vertumnus's placement cost),
 `composition` (the what-if split / merge controller; `whatif`, its replay) and `controller`
 (the paper's threshold controller), `prefix_index`, `prefix_trie`, `cache_manager`, `cost_model`,

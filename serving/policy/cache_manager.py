@@ -12,8 +12,10 @@ tip z and CP degree C:
   reclaim_low` -> free z's tail on the most loaded holder of degree C.
 
 A copy sends only the blocks the destination lacks, to the worker of degree C with the longest
-retained ancestor path of z, then enough free blocks, then the lowest load (outstanding
-seconds). At most `max_actions` actions per scan; then demand counts decay by `decay`.
+retained ancestor path of z, then enough free blocks, then the shortest copy, then the lowest
+load (outstanding seconds). Its source is, per destination, a holder of all of z on the
+destination's host when there is one (its copy runs at the intra-host bandwidth, not the
+scale-out one: `serving.policy.replication.link_gb_per_s`), then the least loaded. At most `max_actions` actions per scan; then demand counts decay by `decay`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 
 from serving.policy.checks import require_finite
 from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.replication import SCALEOUT_GB_PER_S, check_transfer_args, link_gb_per_s
 from serving.policy.worker import WorkerStatus
 
 
@@ -60,10 +63,23 @@ class PrefixCacheManager:
 
     The scheduler's prefix index must be a `GlobalPrefixTrie`. `actions` logs every planned
     action (time, kind, tip depth, degree, workers, blocks).
+
+    Args:
+      config: `CacheManagerConfig`.
+      copy_gb_per_s, scaleout_gb_per_s: bandwidths (GB/s, >= 0, 0 = free) of a copy within a
+        host and across hosts, to rank destinations by copy time (the simulator's defaults).
+
+    Raises:
+      ValueError: a bandwidth out of range.
     """
 
-    def __init__(self, config: CacheManagerConfig = CacheManagerConfig()) -> None:
+    def __init__(self, config: CacheManagerConfig = CacheManagerConfig(),
+                 copy_gb_per_s: float = 100.0,
+                 scaleout_gb_per_s: float = SCALEOUT_GB_PER_S) -> None:
+        check_transfer_args(0, copy_gb_per_s)
+        check_transfer_args(0, scaleout_gb_per_s)
         self.config = config
+        self.bandwidths = (float(copy_gb_per_s), float(scaleout_gb_per_s))
         self.actions: list[dict] = []
         self._next_scan = 0.0
 
@@ -123,7 +139,12 @@ class PrefixCacheManager:
                  if m == len(chain)]  # a copy's source must hold the whole prefix
         if not whole:
             return False
-        src = min(whole, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
+        workers = scheduler.workers
+        load = {w: workers[w].outstanding_seconds(now) for w in whole}
+        by_host = {}  # host -> the source its destinations copy from (same host first)
+        for w in sorted(whole, key=lambda w: (load[w], w)):
+            by_host.setdefault(workers[w].spec.host, w)
+        first = min(whole, key=lambda w: (load[w], w))  # for a host without a holder
         dests = [w for w in scheduler.workers.values()
                  if w.status is WorkerStatus.ACTIVE and w.cp_degree == c and w.worker_id not in holders
                  and (w.worker_id, chain[-1]) not in scheduler.copies.in_flight]
@@ -135,12 +156,16 @@ class PrefixCacheManager:
             free = w.spec.kv_capacity_blocks - trie.num_blocks(w.worker_id)
             if free < len(chain) - keep:
                 continue
-            key = (-keep, w.outstanding_seconds(now), w.worker_id)
+            src = by_host.get(w.spec.host, first)
+            bw = link_gb_per_s(workers[src].spec.host, w.spec.host, *self.bandwidths)
+            key = (-keep, (len(chain) - keep) / bw if bw > 0 else 0.0,
+                   w.outstanding_seconds(now), w.worker_id)
             if best is None or key < best[0]:
-                best = (key, w)
+                best = (key, w, src)
         if best is None:
             return False
-        rep = scheduler.copies.begin(src, best[1].worker_id, chain, trie.block_size, now, kind)
+        _, dst, src = best
+        rep = scheduler.copies.begin(src, dst.worker_id, chain, trie.block_size, now, kind)
         self.actions.append({"time": now, "kind": kind, "depth": len(chain), "cp_degree": c,
                              "src": src, "dst": rep.dst, "blocks": rep.num_blocks})
         return True

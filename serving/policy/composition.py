@@ -40,7 +40,8 @@ from serving.policy.controller import compositions
 from serving.policy.request import Request
 from serving.policy.whatif import Sample, Window, best_composition, replay_ttft
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import WorkerState, WorkerStatus, are_buddies, merge_buddies, split_halves
+from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
+                                   merge_buddies, split_halves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,9 @@ class CompositionController:
 
     Use: `controller.attach(scheduler)` registers its placement and tick hooks. `decisions`
     logs every evaluation (time, candidates with predicted mean TTFT, the choice, the reason).
+    It plans with the workers the pool has (after `Scheduler.lose_workers`, the GPUs left); a
+    merge never makes a worker span hosts (`are_buddies` needs one host, and degrees are
+    capped at `host_degree_cap`, the most one host holds).
     """
 
     def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int],
@@ -162,11 +166,12 @@ class CompositionController:
         """`(op or None, [(label, predicted mean TTFT s), ...])`: stay first, then the best."""
         cfg = self.config
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
-        if len(active) != len(scheduler.workers):
+        if not active or len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))]
         known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
+        top = min(cfg.max_degree, host_degree_cap(w.spec for w in active))  # inside one host
         degrees = sorted({w.cp_degree for w in active} | {
-            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= cfg.max_degree
+            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= top
             and (known is None or c in known)})
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}

@@ -43,7 +43,8 @@ from collections.abc import Callable, Sequence
 from serving.policy.checks import require_finite
 from serving.policy.request import Request
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import WorkerStatus, are_buddies, merge_buddies, split_halves
+from serving.policy.worker import (WorkerStatus, are_buddies, host_degree_cap, merge_buddies,
+                                   split_halves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +100,11 @@ class ReconfigurationController:
       num_gpus: the pool's GPU count (capacity in GPU-seconds per second).
       max_input_len: `cp_degree -> tokens` for the workers it creates.
 
-    Use: `controller.attach(scheduler)` registers its submit and tick hooks. `decisions` logs
-    every decision with its load figures.
+    Use: `controller.attach(scheduler)` registers its submit and tick hooks, and a membership
+    hook: when workers are lost or added (`Scheduler.lose_workers` / `add_workers`) `num_gpus`
+    follows the pool. `decisions` logs every decision with its load figures. A merge never
+    makes a worker span hosts (`are_buddies` needs one host; degrees are capped at
+    `host_degree_cap`).
     """
 
     def __init__(self, config: ControllerConfig, num_gpus: int,
@@ -131,6 +135,13 @@ class ReconfigurationController:
         self._scheduler = scheduler
         scheduler.placement_hooks.append(self.observe)
         scheduler.tick_hooks.append(self.tick)
+        membership = getattr(scheduler, "membership", None)
+        if membership is not None:
+            membership.hooks.append(self.on_membership)
+
+    def on_membership(self, lost, added, now: float) -> None:
+        """Workers left or joined the pool (specs): plans with the GPUs it has now."""
+        self.num_gpus += sum(s.cp_degree for s in added) - sum(s.cp_degree for s in lost)
 
     # ------------------------------------------------------------------------- demand
     def observe(self, request: Request, cached_len: int, now: float) -> None:
@@ -175,7 +186,7 @@ class ReconfigurationController:
         if self._first_seen is None:
             return 0.0
         span = min(self.config.window_s, max(now - self._first_seen, 1.0))
-        return self._gpu_s / (span * self.num_gpus)
+        return self._gpu_s / (span * max(self.num_gpus, 1))
 
     def backlog(self, scheduler, now: float) -> float:
         """Outstanding reserved work as a load: `sum_w C_w * Q_w / (window_s * num_gpus)`.
@@ -185,7 +196,7 @@ class ReconfigurationController:
         """
         work = sum([w.spec.cp_degree * w.outstanding_seconds(now)
                     for w in scheduler.workers.values()])
-        return work / (self.config.window_s * self.num_gpus)
+        return work / (self.config.window_s * max(self.num_gpus, 1))
 
     def long_share(self, now: float) -> float:
         """Token share of long requests among the window's arrivals."""
@@ -205,7 +216,7 @@ class ReconfigurationController:
             if load < cfg.upper - cfg.merge_margin else None
         if self._ref_share is None or abs(load - self._ref_load) > cfg.stable_band:
             self._ref_share, self._ref_load = share, load
-        if scheduler.reconfig.in_progress or now < self._quiet_until:
+        if scheduler.reconfig.in_progress or now < self._quiet_until or not scheduler.workers:
             return
         reason = None
         if self._high_since is not None and now - self._high_since >= cfg.hold_s:
@@ -282,8 +293,10 @@ class ReconfigurationController:
         return "split", [w.worker_id], list(new)
 
     def _merge(self, scheduler, now, max_loss: float | None = None):
+        top = min(self.config.max_degree,  # never above what one host holds
+                  host_degree_cap(w.spec for w in scheduler.workers.values()))
         active = [w for w in scheduler.workers.values()
-                  if w.status is WorkerStatus.ACTIVE and 2 * w.cp_degree <= self.config.max_degree
+                  if w.status is WorkerStatus.ACTIVE and 2 * w.cp_degree <= top
                   and (max_loss is None
                        or self.split_gain(scheduler, 2 * w.cp_degree) <= 1 + max_loss)]
         pairs = [(a, b) for a, b in itertools.combinations(active, 2) if are_buddies(a.spec, b.spec)]

@@ -15,7 +15,11 @@ on the Mooncake traces (eval/RESULTS.md), so this router adds the fetch to the p
 
 with `h_w` the prefix cached or promised on w (as `VertumnusRouter`), `c_w` the part of it
 cached now (the blocks a copy must bring are `best - c_w`), and `X(k) = k * B *
-kv_bytes_per_token / (transfer_gb_per_s * 1e9)` seconds. When the chosen plan fetches, the
+kv_bytes_per_token / (bw * 1e9)` seconds, `bw` being `transfer_gb_per_s` when src and w are on
+one host, `scaleout_gb_per_s` across hosts (`serving.policy.replication.link_gb_per_s`). With
+several hosts the source is chosen per w: each host's longest run is a candidate source, and
+the cheapest fetch wins (so a shorter prefix on w's own host can beat a longer one across the
+scale-out network). When the chosen plan fetches, the
 copy is made when the request leaves the worker's queue (`serving.policy.replication.
 FetchOnDispatch`: the longest prefix another worker holds then, only the missing blocks, reason
 "request-transfer"), and the simulated backend starts the prefill when the copy is done (the
@@ -30,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.policy.cost_router import VertumnusRouter
-from serving.policy.replication import FetchOnDispatch, check_transfer_args, copy_seconds
+from serving.policy.replication import (SCALEOUT_GB_PER_S, FetchOnDispatch, check_transfer_args,
+                                        copy_seconds)
 from serving.policy.request import Request
 from serving.policy.worker import WorkerState
 
@@ -42,9 +47,11 @@ class FetchingVertumnusRouter(VertumnusRouter):
     Args:
       kv_bytes_per_token: K and V bytes of one token, all layers (`ModelSpec.kv_bytes_per_token`),
         >= 0.
-      transfer_gb_per_s: bandwidth of a KV copy between workers, GB/s (1e9 bytes/s), >= 0;
-        0 = free. Default 100, the simulator's `replication_gb_per_s`.
+      transfer_gb_per_s: bandwidth of a KV copy between workers of one host, GB/s (1e9
+        bytes/s), >= 0; 0 = free. Default 100, the simulator's `replication_gb_per_s`.
       beta, lam, cost_model, name: as `VertumnusRouter`.
+      scaleout_gb_per_s: bandwidth of a KV copy between workers of different hosts, GB/s,
+        >= 0; 0 = free. Default `SCALEOUT_GB_PER_S` (25: one 200 Gb/s NIC).
 
     Raises:
       ValueError: an argument outside the ranges above.
@@ -52,11 +59,14 @@ class FetchingVertumnusRouter(VertumnusRouter):
 
     def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 100.0,
                  beta: float = 1.0, lam: float = 1.0, cost_model=None,
-                 name: str = "vertumnus-fetch") -> None:
+                 name: str = "vertumnus-fetch",
+                 scaleout_gb_per_s: float = SCALEOUT_GB_PER_S) -> None:
         super().__init__(beta, lam, cost_model, name)
         check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
+        check_transfer_args(0, scaleout_gb_per_s)
         self.kv_bytes_per_token = int(kv_bytes_per_token)
         self.transfer_gb_per_s = float(transfer_gb_per_s)
+        self.scaleout_gb_per_s = float(scaleout_gb_per_s)
         self.fetches = FetchOnDispatch()
         self._scheduler = None
 
@@ -65,9 +75,11 @@ class FetchingVertumnusRouter(VertumnusRouter):
         self._scheduler = scheduler
         self.fetches.attach(scheduler)
 
-    def transfer_seconds(self, blocks: int, block_size: int) -> float:
-        """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds)."""
-        return copy_seconds(blocks, block_size, self.kv_bytes_per_token, self.transfer_gb_per_s)
+    def transfer_seconds(self, blocks: int, block_size: int, cross_host: bool = False) -> float:
+        """Time to copy `blocks` KV blocks of `block_size` tokens between workers (seconds), of
+        one host or (`cross_host`) of two."""
+        return copy_seconds(blocks, block_size, self.kv_bytes_per_token,
+                            self.scaleout_gb_per_s if cross_host else self.transfer_gb_per_s)
 
     def plans(self, request: Request, candidates: Sequence[WorkerState],
               matched_blocks: Sequence[int], now: float) -> list[tuple[float, int, int, int]]:
@@ -77,35 +89,41 @@ class FetchingVertumnusRouter(VertumnusRouter):
         """
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
         cached = self._cached_blocks(request, candidates)
+        sources: dict[int, tuple[int, int]] = {}  # host -> (its longest run, first holder)
+        for i, (w, c) in enumerate(zip(candidates, cached)):
+            h = w.spec.host
+            if c and c > sources.get(h, (0, -1))[0]:
+                sources[h] = (c, i)
         best = max(cached, default=0)
-        src = cached.index(best) if best else -1
         memo: dict[tuple[int, int], float] = {}  # (C, blocks cached) -> T(C, L, blocks * B)
-        st = []  # (S_w, blocks copied)
+        st = []  # (S_w, blocks copied, source index, blocks fetched)
         for w, m, c in zip(candidates, matched_blocks, cached):
             deg = w.spec.cp_degree
             t = memo.get((deg, m))
             if t is None:
                 t = memo[(deg, m)] = predict(deg, n, m * bs)
-            copied = 0
+            plan = (t, 0, -1, 0)
             if best > m:
-                tb = memo.get((deg, best))
-                if tb is None:
-                    tb = memo[(deg, best)] = predict(deg, n, best * bs)
-                fetch = self.transfer_seconds(best - c, bs) + tb
-                if fetch < t:
-                    t, copied = fetch, best - c
-            st.append((t, copied))
-        cheapest = min(w.spec.cp_degree * t for w, (t, _) in zip(candidates, st))
+                for h, (run, i) in sources.items():
+                    if run <= m:
+                        continue
+                    tb = memo.get((deg, run))
+                    if tb is None:
+                        tb = memo[(deg, run)] = predict(deg, n, run * bs)
+                    fetch = self.transfer_seconds(run - c, bs, h != w.spec.host) + tb
+                    if fetch < plan[0] or (fetch == plan[0] and plan[1] and run - c < plan[1]):
+                        plan = (fetch, run - c, i, run)
+            st.append(plan)
+        cheapest = min(w.spec.cp_degree * p[0] for w, p in zip(candidates, st))
         beta, lam = self.beta, self.lam
         out = []
-        for w, (t, copied) in zip(candidates, st):
+        for w, (t, copied, src, run) in zip(candidates, st):
             q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
             if w.running is not None:
                 r = w.running_estimate - (now - w.running_start)
                 if r > 0:
                     q += r
-            out.append((q + beta * t + lam * (w.spec.cp_degree * t - cheapest), copied,
-                        src if copied else -1, best if copied else 0))
+            out.append((q + beta * t + lam * (w.spec.cp_degree * t - cheapest), copied, src, run))
         return out
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],

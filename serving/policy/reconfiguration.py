@@ -66,6 +66,10 @@ class Reconfigurations:
       log: one dict per finished change (epoch, kind, old and new ids, started, drained,
         finished, composition after it), in finishing order; the last `log_limit` of them.
       finished: finished changes by kind ("split", "merge"), all of them.
+      abandoned: epochs of changes given up because a worker of theirs was lost
+        (`abandon`); the backend's late `finish_reconfiguration` for one is ignored.
+      retired: ids of workers lost (`serving.policy.membership`); `check` never accepts one
+        as a new id.
     """
 
     def __init__(self, next_worker_id: int, log_limit: int | None = None) -> None:
@@ -73,6 +77,8 @@ class Reconfigurations:
         self.in_progress: dict[int, Reconfiguration] = {}
         self.log: list[dict] | deque[dict] = [] if log_limit is None else deque(maxlen=log_limit)
         self.finished: Counter[str] = Counter()
+        self.abandoned: set[int] = set()
+        self.retired: set[int] = set()
         self._next_worker_id = next_worker_id
 
     @property
@@ -85,6 +91,10 @@ class Reconfigurations:
         ids = tuple(range(self._next_worker_id, self._next_worker_id + n))
         self._next_worker_id += n
         return ids
+
+    def handed_out(self, worker_id: int) -> bool:
+        """Whether `new_worker_ids` (or the initial pool) has handed out `worker_id`."""
+        return 0 <= worker_id < self._next_worker_id
 
     def check(self, kind: str, old_ids: Sequence[int], new_specs: Sequence[WorkerSpec],
               workers: Mapping[int, WorkerState]) -> list[WorkerState]:
@@ -111,8 +121,8 @@ class Reconfigurations:
                 raise ValueError(f"worker {wid} is not an ACTIVE worker of the pool")
             olds.append(w)
         new_ids = [spec.worker_id for spec in new_specs]
-        taken = set(workers) | {s.worker_id for r in self.in_progress.values()
-                                for s in r.new_specs}
+        taken = set(workers) | self.retired | {s.worker_id for r in self.in_progress.values()
+                                               for s in r.new_specs}
         if len(set(new_ids)) != len(new_ids) or taken & set(new_ids):
             raise ValueError(f"new worker ids must be fresh and distinct (new_worker_ids()), got {new_ids}")
         if kind == "split":
@@ -130,6 +140,10 @@ class Reconfigurations:
                 f"not a {kind}: {[(w.worker_id, w.cp_degree, w.spec.first_device) for w in olds]} -> "
                 f"{[(s.worker_id, s.cp_degree, s.first_device) for s in new_specs]} (a split turns "
                 "one 2C worker into its two aligned halves, a merge two buddies into their group)")
+        if {s.host for s in new_specs} != {w.spec.host for w in olds}:
+            raise ValueError(f"a {kind} keeps its host: old workers on hosts "
+                             f"{sorted({w.spec.host for w in olds})}, new ones on "
+                             f"{sorted({s.host for s in new_specs})}")
         per_device = {w.spec.kv_capacity_blocks // w.cp_degree for w in olds}
         if any(s.kv_capacity_blocks != s.cp_degree * next(iter(per_device)) for s in new_specs) \
                 or len(per_device) != 1:
@@ -209,12 +223,29 @@ class Reconfigurations:
         return any(spec.can_hold(request)
                    for rec in self.in_progress.values() for spec in rec.new_specs)
 
-    def close(self, epoch: int) -> Reconfiguration:
-        """Removes and returns the change of `epoch`, which must be re-carving.
+    def abandon(self, epoch: int) -> Reconfiguration:
+        """Gives up the change of `epoch` (a worker of it was lost,
+        `serving.policy.membership`): it leaves `in_progress`, its new workers never appear,
+        and a later `close(epoch)` returns None.
+
+        Raises:
+          ValueError: no change of that epoch is in progress.
+        """
+        rec = self.in_progress.pop(epoch, None)
+        if rec is None:
+            raise ValueError(f"no reconfiguration of epoch {epoch} is in progress")
+        self.abandoned.add(epoch)
+        return rec
+
+    def close(self, epoch: int) -> Reconfiguration | None:
+        """Removes and returns the change of `epoch`, which must be re-carving; None when that
+        change was abandoned (`abandon`: the backend finished a change given up).
 
         Raises:
           ValueError: no change of that epoch is re-carving.
         """
+        if epoch in self.abandoned:
+            return None
         rec = self.in_progress.get(epoch)
         if rec is None or rec.recarve_started is None:
             raise ValueError(f"no reconfiguration of epoch {epoch} is re-carving")

@@ -61,6 +61,22 @@ def copy_seconds(blocks: int, block_size: int, kv_bytes_per_token: int,
     return blocks * block_size * kv_bytes_per_token / (gb_per_s * 1e9)
 
 
+# Default bandwidth of a KV copy between workers of different hosts, GB/s per direction: one
+# 200 Gb/s NIC (NVIDIA ConnectX-6 HDR InfiniBand / 200GbE, 200 Gb/s = 25 GB/s), or half of a
+# 400 Gb/s ConnectX-7 NIC that the copy shares with the KV hand-off to the decode pool
+# (`eval.sim.backend.SimConfig.kv_transfer_gb_per_s`, 50 GB/s). Within a host copies go over
+# NVLink (the callers' `gb_per_s`, 100 GB/s by default).
+SCALEOUT_GB_PER_S = 25.0
+
+
+def link_gb_per_s(src_host: int, dst_host: int, gb_per_s: float,
+                  scaleout_gb_per_s: float = SCALEOUT_GB_PER_S) -> float:
+    """Bandwidth of a KV copy from a worker on `src_host` to one on `dst_host`, GB/s:
+    `gb_per_s` (intra-host, NVLink) when the hosts are equal, else `scaleout_gb_per_s` (the
+    scale-out network, `--scaleout_gb_per_s`). Give the result to `copy_seconds` (0 = free)."""
+    return gb_per_s if src_host == dst_host else scaleout_gb_per_s
+
+
 def check_transfer_args(kv_bytes_per_token, transfer_gb_per_s) -> None:
     """Validates a router's KV-copy pricing: an integer number of bytes per token >= 0 and a
     finite bandwidth >= 0 GB/s (0 = free copies). Raises ValueError naming the field."""
@@ -88,6 +104,8 @@ class PrefixCopies:
 
     Attributes:
       in_flight: copies started and not finished, by (destination, prefix tip hash).
+      failed: one dict per copy given up because its source or destination was lost (src,
+        dst, blocks, reason, started, failed, error); such a copy never changes the index.
       reclaims: reclamations asked for and not confirmed, by (worker, prefix tip hash): start
         time in seconds.
       log: one dict per finished copy (src, dst, blocks, reason, started, finished); the
@@ -107,6 +125,9 @@ class PrefixCopies:
         self.reclaim_log: list[dict] | deque[dict] = ([] if log_limit is None
                                                       else deque(maxlen=log_limit))
         self.num_copies = self.num_reclaims = 0
+        self.failed: list[dict] = []
+        self._dropped: dict[int, Replication] = {}  # id(copy) -> copy given up (`drop_workers`)
+        self._dropped_reclaims: set[tuple[int, int]] = set()
 
     def begin(self, src: int, dst: int, chain: Sequence[int], block_size: int, now: float,
               reason: str = "intra-degree", request_id: str | int | None = None) -> Replication:
@@ -177,7 +198,10 @@ class PrefixCopies:
         best = max(held[1:])
         if best <= held[0]:
             return None
-        src = others[held[1:].index(best)]
+        workers = self._workers
+        host = workers[dst].spec.host if dst in workers else None
+        src = min((w for w, h in zip(others, held[1:]) if h == best),
+                  key=lambda w: (workers[w].spec.host != host, w))
         try:
             return self.begin(src, dst, request.block_hashes[:best], request.block_size, now,
                               reason="request-transfer", request_id=request.request_id)
@@ -191,9 +215,14 @@ class PrefixCopies:
         `inserted` / `evicted` are the destination cache's changes. A destination that left the
         pool meanwhile (split or merge) is ignored.
 
+        A copy given up because a worker of it was lost (`drop_workers`) is ignored: the
+        backend's caller must not apply its blocks (`is_dropped`).
+
         Raises:
           ValueError: no such copy is in flight.
         """
+        if self._dropped.pop(id(rep), None) is not None:
+            return
         if self.in_flight.pop((rep.dst, rep.chain[-1]), None) is None:
             raise ValueError(f"no copy of that prefix to worker {rep.dst} is in flight")
         if rep.dst in self._workers:
@@ -225,15 +254,46 @@ class PrefixCopies:
                        evicted: Sequence[int]) -> None:
         """The backend confirmed a reclamation: the freed blocks leave the index.
 
+        A reclamation on a worker lost meanwhile (`drop_workers`) is ignored.
+
         Raises:
           ValueError: no such reclamation is pending.
         """
+        if chain and (worker_id, chain[-1]) in self._dropped_reclaims:
+            self._dropped_reclaims.discard((worker_id, chain[-1]))
+            return
         if not chain or self.reclaims.pop((worker_id, chain[-1]), None) is None:
             raise ValueError(f"no reclamation of that prefix on worker {worker_id} is pending")
         if worker_id in self._workers and evicted:
             self._index.evict(worker_id, evicted)
         self.num_reclaims += 1
         self.reclaim_log.append({"worker": worker_id, "blocks": len(evicted), "time": now})
+
+    def is_dropped(self, rep: Replication) -> bool:
+        """Whether `rep` was given up (`drop_workers`): its blocks must not be applied."""
+        return id(rep) in self._dropped
+
+    def drop_workers(self, worker_ids, now: float, error: str) -> int:
+        """Workers left the pool at once (their host died, `serving.policy.membership`): every
+        copy in flight to or from one of them ends as failed (logged in `failed`; the backend's
+        later `finish` for it is ignored and the index does not change), and reclamations
+        pending on them are dropped (a later `finish_reclaim` is ignored).
+
+        Returns:
+          The copies given up.
+        """
+        gone = set(worker_ids)
+        dropped = [(k, r) for k, r in self.in_flight.items() if r.src in gone or r.dst in gone]
+        for key, rep in dropped:
+            del self.in_flight[key]
+            self._dropped[id(rep)] = rep
+            self.failed.append({"src": rep.src, "dst": rep.dst, "blocks": rep.num_blocks,
+                                "reason": rep.reason, "started": rep.started, "failed": now,
+                                "error": error})
+        for key in [k for k in self.reclaims if k[0] in gone]:
+            del self.reclaims[key]
+            self._dropped_reclaims.add(key)
+        return len(dropped)
 
 
 class FetchOnDispatch:

@@ -1,23 +1,21 @@
 """The event-driven scheduler core shared by the live and the simulated backends.
 
-`Scheduler` owns the workers' FIFO queues and reservations. It is driven by four calls, each
+`Scheduler` owns the workers' FIFO queues and reservations. It is driven by these calls, each
 given the time `now` in seconds by the caller (it never reads a clock):
 
 - `submit(request, now)`: route to one eligible worker, reserve the predicted prefill time on
   it at once, start it if the worker is idle;
-- `complete(worker_id, request_id, now, result)`: the backend finished a prefill; apply the
-  worker's KV events to the prefix index, release the reservation, report the request, start
-  the worker's next request;
+- `complete(worker_id, request_id, now, result)`: the backend finished a prefill; apply its KV
+  events to the prefix index, release the reservation, report it, start the worker's next one;
 - `fail(worker_id, request_id, now, error)`: the backend could not run a prefill;
 - `abort(request_id, now, reason)`: withdraw a request that has not started;
-- `tick(now)`: periodic hooks (the reconfiguration controller and prefix-cache manager plug
-  in here).
+- `tick(now)`: periodic hooks (the controller and prefix-cache manager plug in here);
+- `lose_workers(ids, now, reason)` / `add_workers(specs, now)`: a host died / came back.
 
-Two collaborators own the rest of the pool's state: `reconfig` (`Reconfigurations`: epochs,
-fresh worker ids, splits and merges in progress and their log) and `copies` (`PrefixCopies`:
-prefix copies in flight, reclamations pending and their logs). The scheduler's own
-`begin_reconfiguration` / `finish_reconfiguration` do what touches its queues (drain, re-route,
-swap workers); copies are asked for through `copies` directly.
+Collaborators own the rest of the pool's state: `reconfig` (`Reconfigurations`: epochs, fresh
+worker ids, splits and merges in progress), `copies` (`PrefixCopies`: prefix copies and
+reclamations) and `membership` (`Membership`: workers lost and added). The scheduler's own
+`begin_reconfiguration` / `finish_reconfiguration` do what touches its queues.
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
 `RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
@@ -30,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from serving.policy.backend import Backend, CostModel, PrefillResult
 from serving.policy.eligibility import eligible_workers
+from serving.policy.membership import LostWorkers, Membership
 from serving.policy.prefix_index import PendingPrefixes, PrefixIndex
 from serving.policy.reconfiguration import Reconfiguration, Reconfigurations
 from serving.policy.replication import PrefixCopies
@@ -73,8 +72,7 @@ class Scheduler:
         ids = [w.worker_id for w in workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids must be unique, got {ids}")
-        self.cost_model = cost_model
-        self.router = router
+        self.cost_model, self.router = cost_model, router
         self._backend = backend
         self.listener = listener or (lambda record: None)
         self._prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
@@ -95,12 +93,10 @@ class Scheduler:
         # before the backend starts its prefill (e.g. a router fetching the prefix for it).
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
         self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
+        self.membership = Membership(self)
         self._placements: dict[str | int, _Placement] = {}
         self._pending: deque[Request] = deque()
-        self.num_submitted = 0
-        self.num_completed = 0
-        self.num_failed = 0
-        self.num_aborted = 0
+        self.num_submitted = self.num_completed = self.num_failed = self.num_aborted = 0
         bind = getattr(router, "bind", None)
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
@@ -141,9 +137,8 @@ class Scheduler:
         """Routes `request` and reserves its predicted prefill time on the chosen worker.
 
         Returns:
-          The chosen worker id; None when the request waits for a worker (every worker that
-          could hold it is draining or unavailable) or failed because no worker can ever hold
-          it (then the listener has its failed record).
+          The chosen worker id; None when the request waits for a worker (every one that could
+          hold it is draining or unavailable) or failed as none can (the listener has it).
 
         Raises:
           ValueError: `request.request_id` is already in flight.
@@ -162,11 +157,14 @@ class Scheduler:
 
     def complete(self, worker_id: int, request_id: str | int, now: float,
                  result: PrefillResult) -> None:
-        """The backend finished `request_id` on `worker_id` at `now`.
+        """The backend finished `request_id` on `worker_id` at `now` (a late report for a
+        worker lost meanwhile is ignored: `lose_workers` failed the request).
 
         Raises:
           ValueError: the worker is not running that request (a protocol error of the backend).
         """
+        if worker_id in self.membership.lost:
+            return
         worker, placement, request = self._take_running(worker_id, request_id)
         index = self.prefix_index
         if result.evicted_blocks:
@@ -192,11 +190,14 @@ class Scheduler:
             self.prefix_index.insert(worker_id, inserted)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
-        """The backend could not prefill `request_id` on `worker_id`; the request fails.
+        """The backend could not prefill `request_id` on `worker_id`; the request fails (a late
+        report for a worker lost meanwhile is ignored: `lose_workers` failed it).
 
         Raises:
           ValueError: the worker is not running that request.
         """
+        if worker_id in self.membership.lost:
+            return
         worker, placement, request = self._take_running(worker_id, request_id)
         self.num_failed += 1
         self.listener(RequestRecord(
@@ -276,13 +277,7 @@ class Scheduler:
         requeue = []
         for w in olds:
             w.status = WorkerStatus.DRAINING
-            while w.queue:
-                r = w.queue.popleft()
-                del self._placements[r.request_id]
-                if self._use_pending:
-                    self.pending.remove(w.worker_id, r.block_hashes[:r.full_blocks])
-                requeue.append(r)
-            w.queued_seconds = 0.0
+            requeue += self.membership.unqueue(w)
         for r in sorted(requeue, key=lambda r: r.arrival_time):
             self._route(r, now)
         self._maybe_recarve(rec, now)
@@ -299,9 +294,11 @@ class Scheduler:
             (retained prefixes stay resident; DESIGN.md "Cluster-level loops").
 
         Raises:
-          ValueError: no reconfiguration of that epoch is re-carving.
+          ValueError: no change of that epoch is re-carving (an abandoned one is ignored).
         """
         rec = self.reconfig.close(epoch)
+        if rec is None:
+            return
         for wid in rec.old_ids:
             del self.workers[wid]
             self.prefix_index.drop_worker(wid)
@@ -311,6 +308,14 @@ class Scheduler:
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
         self._retry_pending(now)
+
+    def lose_workers(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
+        """A host died: `Membership.lose` (returns `LostWorkers`; ValueError: unknown ids)."""
+        return self.membership.lose(worker_ids, now, reason)
+
+    def add_workers(self, specs: Sequence[WorkerSpec], now: float) -> list[WorkerState]:
+        """New workers (ids from `new_worker_ids`) join ACTIVE (`Membership.add`)."""
+        return self.membership.add(specs, now)
 
     def _maybe_recarve(self, rec: Reconfiguration, now: float) -> None:
         if rec.recarve_started is None and all(self.workers[w].running is None for w in rec.old_ids):
@@ -328,7 +333,7 @@ class Scheduler:
                     self.reconfig.will_hold(request):
                 self._pending.append(request)  # a draining worker or one being re-carved
                 return None
-            largest = max(w.spec.max_input_len for w in self.workers.values())
+            largest = max((w.spec.max_input_len for w in self.workers.values()), default=0)
             self._fail_unplaced(request, now, (
                 f"input_len={request.input_len} tokens cannot be held by any worker "
                 f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
@@ -360,9 +365,7 @@ class Scheduler:
         request = worker.queue.popleft()
         placement = self._placements[request.request_id]
         worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
-        worker.running = request
-        worker.running_start = now
-        worker.running_estimate = placement.estimate
+        worker.running, worker.running_start, worker.running_estimate = request, now, placement.estimate
         placement.start_time = now
         if self.dispatch_hooks:
             for hook in self.dispatch_hooks:
@@ -381,8 +384,7 @@ class Scheduler:
         return worker, self._placements.pop(request_id), request
 
     def _after_run(self, worker: WorkerState, now: float) -> None:
-        worker.running = None
-        worker.running_estimate = 0.0
+        worker.running, worker.running_estimate = None, 0.0
         if worker.status is WorkerStatus.DRAINING:
             for rec in self.reconfig.involving(worker.worker_id):
                 self._maybe_recarve(rec, now)

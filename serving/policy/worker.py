@@ -2,8 +2,11 @@
 
 A worker is a group of `cp_degree` devices `[first_device, first_device + cp_degree)` that
 runs context-parallel prefill together (DESIGN.md, "Devices, meshes and KV"). Groups are
-aligned (`first_device % cp_degree == 0`) so that split and merge keep buddy groups. The
-scheduler owns each worker's FIFO queue; the backend runs one prefill at a time per worker.
+aligned (`first_device % cp_degree == 0`) so that split and merge keep buddy groups. Device
+indices are pool-wide; a worker also carries the id of the host its devices are on (issue 19:
+one host agent per host), and a CP group stays inside one host unless a layout allows spanning
+(`layout_workers(..., devices_per_host=M)`: host `first_device // M`). The scheduler owns each
+worker's FIFO queue; the backend runs one prefill at a time per worker.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from serving.policy.request import Request
 
@@ -35,6 +38,9 @@ class WorkerSpec:
       first_device: index of the group's first device; must be a multiple of `cp_degree`.
       kv_capacity_blocks: KV blocks the worker can hold in total (all ranks together), >= 1.
       max_input_len: longest prompt (tokens) the worker accepts, >= 1.
+      host: id of the host that holds the worker's devices (that host's agent runs it), >= 0;
+        0 for a one-host pool. KV copies between workers of different hosts go over the
+        scale-out network (`serving.policy.replication.link_gb_per_s`).
     """
 
     worker_id: int
@@ -42,6 +48,7 @@ class WorkerSpec:
     first_device: int
     kv_capacity_blocks: int
     max_input_len: int
+    host: int = 0
 
     def __post_init__(self) -> None:
         if self.worker_id < 0:
@@ -56,6 +63,8 @@ class WorkerSpec:
             raise ValueError(f"kv_capacity_blocks must be >= 1, got {self.kv_capacity_blocks}")
         if self.max_input_len < 1:
             raise ValueError(f"max_input_len must be >= 1 token, got {self.max_input_len}")
+        if isinstance(self.host, bool) or not isinstance(self.host, int) or self.host < 0:
+            raise ValueError(f"host must be an integer >= 0, got {self.host!r}")
 
     @property
     def devices(self) -> range:
@@ -123,7 +132,8 @@ class WorkerState:
 
 
 def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_len: int,
-                   first_worker_id: int = 0) -> list[WorkerSpec]:
+                   first_worker_id: int = 0, devices_per_host: int | None = None,
+                   allow_span: bool = False) -> list[WorkerSpec]:
     """Lays CP groups of the given degrees onto devices 0.. in aligned groups.
 
     Groups are placed largest degree first, so every group is aligned (powers of two packed in
@@ -135,12 +145,16 @@ def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_
       kv_blocks_per_device: KV blocks one device holds, >= 1.
       max_input_len: longest prompt any worker accepts (tokens).
       first_worker_id: id of the first worker; the others follow in order.
+      devices_per_host: devices per host M (`assign_hosts`): worker host = `first_device // M`;
+        None puts every worker on host 0 (one host).
+      allow_span: with `devices_per_host`, accept a worker whose devices span hosts.
 
     Returns:
       `WorkerSpec`s in device order.
 
     Raises:
-      ValueError: an empty composition or a degree that is not a power of two.
+      ValueError: an empty composition, a degree that is not a power of two, or (unless
+        `allow_span`) a worker that would span hosts (`assign_hosts`).
     """
     if not degrees:
         raise ValueError("degrees must name at least one worker")
@@ -152,7 +166,33 @@ def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_
     for i, c in enumerate(sorted(degrees, reverse=True)):
         specs.append(WorkerSpec(first_worker_id + i, c, device, kv_blocks_per_device * c, max_input_len))
         device += c
-    return specs
+    return specs if devices_per_host is None else assign_hosts(specs, devices_per_host, allow_span)
+
+
+def assign_hosts(specs: Sequence[WorkerSpec], devices_per_host: int,
+                 allow_span: bool = False) -> list[WorkerSpec]:
+    """The workers with `host = first_device // devices_per_host` (pool-wide device indices,
+    hosts of `devices_per_host` devices each: the paper's pool is five hosts of 8 GPUs).
+
+    Raises:
+      ValueError: `devices_per_host` is not an integer >= 1, or (unless `allow_span`) a worker
+        spans hosts: its degree is above `devices_per_host` or its group crosses a host
+        boundary (the message names the worker, its devices and the hosts).
+    """
+    if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) \
+            or devices_per_host < 1:
+        raise ValueError(f"devices_per_host must be an integer >= 1, got {devices_per_host!r}")
+    out = []
+    for s in specs:
+        first, last = s.first_device // devices_per_host, s.devices[-1] // devices_per_host
+        if first != last and not allow_span:
+            raise ValueError(
+                f"worker {s.worker_id} (cp_degree={s.cp_degree}, devices {s.first_device}.."
+                f"{s.devices[-1]}) would span hosts {first}..{last} of {devices_per_host} devices "
+                "each; a CP group stays inside one host (degree <= devices per host, aligned), "
+                "unless spanning is allowed")
+        out.append(dataclasses.replace(s, host=first))
+    return out
 
 
 def homogeneous_degrees(num_devices: int, cp_degree: int) -> list[int]:
@@ -173,7 +213,7 @@ def split_halves(spec: WorkerSpec, new_ids: tuple[int, int], max_input_len: Call
                  ) -> tuple[WorkerSpec, WorkerSpec]:
     """The two aligned halves of a degree-2C worker (DESIGN.md: split keeps buddy groups).
 
-    KV capacity per device is kept; each half gets `max_input_len(C)`.
+    KV capacity per device and the host are kept; each half gets `max_input_len(C)`.
 
     Raises:
       ValueError: the worker has degree 1 (nothing to split).
@@ -182,14 +222,15 @@ def split_halves(spec: WorkerSpec, new_ids: tuple[int, int], max_input_len: Call
         raise ValueError(f"worker {spec.worker_id} has cp_degree=1 and cannot be split")
     c = spec.cp_degree // 2
     per_device = spec.kv_capacity_blocks // spec.cp_degree
-    return tuple(WorkerSpec(wid, c, spec.first_device + k * c, per_device * c, max_input_len(c))
-                 for k, wid in enumerate(new_ids))
+    return tuple(WorkerSpec(wid, c, spec.first_device + k * c, per_device * c, max_input_len(c),
+                            spec.host) for k, wid in enumerate(new_ids))
 
 
 def are_buddies(a: WorkerSpec, b: WorkerSpec) -> bool:
-    """True when `a` and `b` are the two halves of one aligned group of degree 2C."""
+    """True when `a` and `b` are the two halves of one aligned group of degree 2C on one host
+    (halves on different hosts are never buddies: a merge never makes a group span hosts)."""
     c = a.cp_degree
-    if b.cp_degree != c:
+    if b.cp_degree != c or a.host != b.host:
         return False
     lo = min(a.first_device, b.first_device)
     return abs(a.first_device - b.first_device) == c and lo % (2 * c) == 0
@@ -197,15 +238,31 @@ def are_buddies(a: WorkerSpec, b: WorkerSpec) -> bool:
 
 def merge_buddies(a: WorkerSpec, b: WorkerSpec, new_id: int,
                   max_input_len: Callable[[int], int]) -> WorkerSpec:
-    """The degree-2C worker made of buddies `a` and `b`.
+    """The degree-2C worker made of buddies `a` and `b`, on their host.
 
     Raises:
-      ValueError: `a` and `b` are not buddies (not the two halves of one aligned group).
+      ValueError: `a` and `b` are on different hosts, or are not buddies (not the two halves
+        of one aligned group).
     """
+    if a.host != b.host:
+        raise ValueError(f"workers {a.worker_id} (host {a.host}) and {b.worker_id} (host {b.host}) "
+                         "are on different hosts: a merge never makes a CP group span hosts")
     if not are_buddies(a, b):
         raise ValueError(f"workers {a.worker_id} (C={a.cp_degree}, devices from {a.first_device}) "
                          f"and {b.worker_id} (C={b.cp_degree}, devices from {b.first_device}) are not "
                          "buddies: merge needs the two aligned halves of one group")
     c = 2 * a.cp_degree
     per_device = a.kv_capacity_blocks // a.cp_degree
-    return WorkerSpec(new_id, c, min(a.first_device, b.first_device), per_device * c, max_input_len(c))
+    return WorkerSpec(new_id, c, min(a.first_device, b.first_device), per_device * c,
+                      max_input_len(c), a.host)
+
+
+def host_degree_cap(specs: Iterable[WorkerSpec]) -> int:
+    """The largest CP degree a merge can reach without spanning hosts: the largest power of two
+    <= the devices any one host has in `specs` (0 for no workers). With every worker on host 0
+    (one host) it is the pool's largest power of two, no cap in practice."""
+    per_host: dict[int, int] = {}
+    for s in specs:
+        per_host[s.host] = per_host.get(s.host, 0) + s.cp_degree
+    most = max(per_host.values(), default=0)
+    return 1 << (most.bit_length() - 1) if most else 0

@@ -1,0 +1,349 @@
+"""The multi-host backend: the policy core's `Backend` over host agents that are Ray actors.
+
+The head process runs the HTTP API, the `Engine` and the `Scheduler` unchanged; `RayBackend`
+turns each `Backend` call into a call on the agent (`serving.host_agent.HostAgent`) of the host
+that owns the worker, and hands the outcome back to the scheduler's thread through `post`
+when the call's `ObjectRef` resolves (no call blocks the event loop). Worker ids are pool-wide;
+`WorkerSpec.host` names a worker's host; a worker never spans hosts.
+
+Prefix copies: between workers of one host the agent copies device to device; across hosts the
+source agent exports the blocks to host memory and the destination agent imports them, the
+`ObjectRef` of the export passed straight to the import so Ray's object store moves the bytes
+between nodes. Either way the scheduler hears of a copy only once it has landed
+(`PrefixCopies.finish`), so the trie never lists a block that is not there.
+
+Failure: a host whose agent dies (any call raises `RayActorError`, or the periodic `ping` from
+`tick` does) is lost: `Scheduler.lose_workers` re-routes its queued requests, fails its running
+ones with a clean error, and drops its workers from the pool and the trie; late answers from it
+are ignored. An agent that Ray restarts (local hosts are started with restarts allowed) comes
+back bare; the next `tick` finds it and sets it up as new workers (`Scheduler.add_workers`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from serving.live_backend import LivePrefill
+from serving.policy.backend import PrefillResult
+from serving.policy.worker import WorkerSpec
+
+_log = logging.getLogger(__name__)
+# Seconds between liveness pings of one host agent.
+PING_INTERVAL = 1.0
+
+
+@dataclasses.dataclass
+class HostState:
+    """The head's view of one host agent.
+
+    Attributes:
+      host_id: the host's index; its devices are `[host_id * M, (host_id + 1) * M)` pool-wide.
+      agent: the Ray actor handle.
+      composition: the CP degrees its workers start with (and restart with).
+      state: "starting", "alive", "dead" or "rejoining".
+      worker_ids: its current workers (pool-wide ids).
+      info: the agent's `info()` (pid, node id, device platform and count).
+      lost_at: seconds (head clock) when it was found dead, or None.
+    """
+
+    host_id: int
+    agent: object
+    composition: tuple[int, ...]
+    state: str = "starting"
+    worker_ids: set[int] = dataclasses.field(default_factory=set)
+    info: dict = dataclasses.field(default_factory=dict)
+    lost_at: float | None = None
+    ping_in_flight: bool = False
+    last_ping: float = float("-inf")
+
+
+@dataclasses.dataclass
+class RemoteWorker:
+    """The head's record of a worker on a host agent (for `GET /v1/workers`)."""
+
+    host_id: int
+    cp_degree: int
+    device_ids: tuple[int, ...]
+    kv_blocks_cached: int = 0
+    prefill_executables: int = 0
+    retired: str | None = None
+
+
+class RayBackend:
+    """`Backend` over host agents (see the module doc).
+
+    Args:
+      hosts: `HostState` per host, agents set up with their workers (`start_host_agents`).
+      specs: every worker's `WorkerSpec` (with its host).
+      devices_per_host: devices each agent owns (M).
+      post: runs `fn()` on the scheduler's thread (thread-safe; `loop.call_soon_threadsafe`).
+      clock: seconds on the head's clock.
+      kv_capacity_blocks_per_device, max_input_len: for the `WorkerSpec`s of a host that rejoins
+        (`max_input_len(cp_degree) -> tokens`).
+
+    Attributes:
+      scheduler: set by the owner before the first request.
+      workers: worker id -> `RemoteWorker`.
+      prefills: request id -> `LivePrefill` (as `LiveBackend`'s).
+      handoff: None (KV holds for a decode side are served by the single-host backend only).
+      errors: failures of background operations, for logs and tests.
+      dispatch_log: the latest prefills' wall-clock `(sent, entered, left, received)` times
+        (`time.time()`: the head's call, its arrival in the agent, the agent's return, the
+        head's callback), for `serving.bench_hosts`.
+    """
+
+    handoff = None
+
+    def __init__(self, hosts: Sequence[HostState], specs: Sequence[WorkerSpec], *,
+                 devices_per_host: int, post: Callable, clock: Callable[[], float],
+                 kv_blocks_per_device: int, max_input_len: Callable[[int], int]):
+        import ray  # the multi-host mode's dependency only
+        self._ray = ray
+        self.hosts = {h.host_id: h for h in hosts}
+        self.devices_per_host = int(devices_per_host)
+        self._post, self._clock = post, clock
+        self._kv_blocks, self._max_input_len = int(kv_blocks_per_device), max_input_len
+        self.scheduler = None
+        self.workers: dict[int, RemoteWorker] = {}
+        self.prefills: dict = {}
+        self.errors: list[str] = []
+        self._running: dict[object, int] = {}  # request id -> worker id, while on an agent
+        self.dispatch_log: collections.deque = collections.deque(maxlen=10_000)
+        for s in specs:
+            self._track(s)
+
+    def _track(self, spec: WorkerSpec) -> None:
+        m = self.devices_per_host
+        self.workers[spec.worker_id] = RemoteWorker(
+            spec.host, spec.cp_degree, tuple(range(spec.first_device,
+                                                   spec.first_device + spec.cp_degree)))
+        self.hosts[spec.host].worker_ids.add(spec.worker_id)
+        assert spec.first_device // m == spec.host
+
+    def _host_of(self, worker_id: int) -> HostState:
+        return self.hosts[self.workers[worker_id].host_id]
+
+    def _then(self, ref, host: HostState, on_result: Callable, what: str) -> None:
+        """Calls `on_result(value)` on the scheduler's thread when `ref` resolves; a dead agent
+        loses its host instead; any other exception is `on_result(exc)`."""
+        def done(future):
+            try:
+                value = future.result()
+            except self._ray.exceptions.RayActorError as e:
+                why = f"{what}: {type(e).__name__}"
+                self._post(lambda: self.host_lost(host.host_id, why))
+                return
+            except Exception as e:  # an error inside the agent's method
+                value = e
+            self._post(lambda: on_result(value))
+        ref.future().add_done_callback(done)
+
+    # ------------------------------------------------------------------------------ Backend
+    def start_prefill(self, worker_id: int, request, now: float) -> None:
+        host = self._host_of(worker_id)
+        rid = request.request_id
+        self._running[rid] = worker_id
+        sent = time.time()
+
+        def finished(out):
+            if isinstance(out, dict) and out.get("restarted") and rid in self._running:
+                self.host_lost(host.host_id, "its agent restarted")  # fails this request once
+                return
+            if self._running.pop(rid, None) is None:  # its host was lost meanwhile: answered
+                return
+            if isinstance(out, dict) and out.get("ok"):
+                self.dispatch_log.append((sent, out["entered"], out["left"], time.time()))
+            t = self._clock()
+            if isinstance(out, Exception) or not out["ok"]:
+                msg = out["error"] if isinstance(out, dict) else f"{type(out).__name__}: {out}"
+                self.scheduler.fail(worker_id, rid, t, f"host {host.host_id}: {msg}")
+                return
+            w = self.workers.get(worker_id)
+            if w is not None:
+                w.kv_blocks_cached += len(out["inserted"]) - len(out["evicted"])
+            self.prefills[rid] = LivePrefill(worker_id, out["cp_degree"], tuple(
+                host.host_id * self.devices_per_host + d for d in out["device_ids"]),
+                out["block_ids"], request.block_size, out["num_tokens"])
+            self.scheduler.complete(worker_id, rid, t, PrefillResult(
+                out["cached_len"], t, t, out["inserted"], out["evicted"], out["first_token"]))
+
+        self._then(host.agent.prefill.remote(worker_id, request), host, finished, "prefill")
+
+    def recarve(self, reconfiguration, now: float) -> None:
+        rec = reconfiguration
+        host = self._host_of(rec.old_ids[0])
+
+        def finished(cached):
+            if isinstance(cached, Exception):
+                self.errors.append(f"re-carve of epoch {rec.epoch} on host {host.host_id} "
+                                   f"failed: {cached}")
+                return
+            for wid in rec.old_ids:
+                self.workers.pop(wid, None)
+                host.worker_ids.discard(wid)
+            for spec in rec.new_specs:
+                self._track(spec)
+                self.workers[spec.worker_id].kv_blocks_cached = len(cached.get(spec.worker_id, ()))
+            self.scheduler.finish_reconfiguration(rec.epoch, self._clock(), cached)
+
+        self._then(host.agent.recarve.remote(rec), host, finished, "re-carve")
+
+    def replicate(self, replication, now: float) -> None:
+        rep = replication
+        if rep.src not in self.workers or rep.dst not in self.workers:
+            self._post(lambda: self.scheduler.copies.finish(rep, self._clock(), (), ()))
+            return
+        src, dst = self._host_of(rep.src), self._host_of(rep.dst)
+
+        def finished(out):
+            inserted, evicted = ((), ()) if isinstance(out, Exception) else out
+            if isinstance(out, Exception):
+                self.errors.append(f"copy {rep.src}->{rep.dst} failed: {out}")
+            w = self.workers.get(rep.dst)
+            if w is not None:
+                w.kv_blocks_cached += len(inserted) - len(evicted)
+            self.scheduler.copies.finish(rep, self._clock(), inserted, evicted)
+
+        if src is dst:
+            ref = dst.agent.replicate.remote(rep)
+        else:  # through the object store: the export's ref goes straight to the import
+            kv = src.agent.export_prefix.remote(rep.src, rep.chain, rep.start)
+            ref = dst.agent.import_prefix.remote(rep.dst, rep.chain, rep.start, kv)
+        self._then(ref, dst, finished, "copy")
+
+    def reclaim(self, worker_id: int, chain, now: float) -> None:
+        chain = tuple(chain)
+        if worker_id not in self.workers:
+            self._post(lambda: self.scheduler.copies.finish_reclaim(
+                worker_id, chain, self._clock(), ()))
+            return
+        host = self._host_of(worker_id)
+
+        def finished(evicted):
+            evicted = () if isinstance(evicted, Exception) else evicted
+            w = self.workers.get(worker_id)
+            if w is not None:
+                w.kv_blocks_cached -= len(evicted)
+            self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), evicted)
+
+        self._then(host.agent.reclaim.remote(worker_id, chain), host, finished, "reclaim")
+
+    def reset_prefix_cache(self) -> dict[int, tuple[int, ...]]:
+        """Evicts every unreferenced block on every live host (blocks until they answer)."""
+        out = {}
+        for host in self.hosts.values():
+            if host.state == "alive":
+                out.update(self._ray.get(host.agent.reset_prefix_cache.remote(), timeout=60))
+        for wid, evicted in out.items():
+            if wid in self.workers:
+                self.workers[wid].kv_blocks_cached -= len(evicted)
+        return out
+
+    # ------------------------------------------------------------------------------ hosts
+    def host_lost(self, host_id: int, reason: str) -> None:
+        """Takes a dead host's workers out of the pool (on the scheduler's thread): queued
+        requests re-routed, running ones failed once, the trie cleaned. Idempotent."""
+        host = self.hosts[host_id]
+        if host.state == "dead":
+            return
+        host.state, host.lost_at = "dead", self._clock()
+        lost = sorted(host.worker_ids)
+        _log.error("host %d lost (%s): its workers %s leave the pool", host_id, reason, lost)
+        for rid, wid in list(self._running.items()):
+            if wid in host.worker_ids:
+                del self._running[rid]  # lose_workers answers them
+        host.worker_ids.clear()
+        for wid in lost:
+            self.workers.pop(wid, None)
+        self.scheduler.lose_workers(lost, self._clock(),
+                                    f"host {host_id} was lost ({reason})")
+
+    def tick(self, now: float) -> None:
+        """Pings every host agent (one ping in flight per host): a dead one is lost; a dead one
+        that answers again (restarted by Ray, bare) is set up anew and rejoins."""
+        for host in self.hosts.values():
+            if host.ping_in_flight or host.state in ("starting", "rejoining") or \
+                    now - host.last_ping < PING_INTERVAL:
+                continue
+            host.ping_in_flight, host.last_ping = True, now
+            ref = host.agent.info.remote()
+
+            def answered(future, host=host):
+                try:
+                    info = future.result()
+                except Exception as e:  # RayActorError, or the restarting agent
+                    err = e
+                    self._post(lambda: self._ping_failed(host, err))
+                    return
+                self._post(lambda: self._pinged(host, info))
+            ref.future().add_done_callback(answered)
+
+    def _ping_failed(self, host: HostState, exc: Exception) -> None:
+        host.ping_in_flight = False
+        if host.state == "alive":
+            self.host_lost(host.host_id, f"ping: {type(exc).__name__}")
+
+    def _pinged(self, host: HostState, info: dict) -> None:
+        host.ping_in_flight = False
+        if host.state == "alive" and (not info.get("ready") or
+                                      info.get("pid") != host.info.get("pid")):
+            self.host_lost(host.host_id, "its agent restarted")  # Ray restarted it unseen
+        if host.state == "dead" and not info.get("ready"):
+            host.info = info  # the restarted agent: a new process
+            self._rejoin(host)
+        elif host.state == "alive":
+            host.info = info
+
+    def _rejoin(self, host: HostState) -> None:
+        """Sets a restarted (bare) agent up with new worker ids; they join when it answers."""
+        host.state = "rejoining"
+        m = self.devices_per_host
+        ids = self.scheduler.new_worker_ids(len(host.composition))
+        specs, first = [], host.host_id * m
+        for wid, c in zip(ids, host.composition):
+            specs.append(WorkerSpec(wid, c, first, self._kv_blocks * c, self._max_input_len(c),
+                                    host=host.host_id))
+            first += c
+
+        def ready(out):
+            if isinstance(out, Exception):
+                host.state = "dead"
+                self.errors.append(f"host {host.host_id} could not rejoin: {out}")
+                return
+            host.state, host.lost_at = "alive", None
+            for s in specs:
+                self._track(s)
+            self.scheduler.add_workers(specs, self._clock())
+            _log.warning("host %d rejoined as workers %s", host.host_id, ids)
+
+        self._then(host.agent.setup.remote(list(host.composition), ids), host, ready, "setup")
+
+    def hosts_info(self) -> list[dict]:
+        """`GET /v1/hosts`: per host its id, state, node, pid, devices and workers."""
+        return [{"host_id": h.host_id, "state": h.state, "node_id": h.info.get("node_id"),
+                 "pid": h.info.get("pid"), "platform": h.info.get("platform"),
+                 "devices": h.info.get("devices"), "worker_ids": sorted(h.worker_ids),
+                 "lost_at": h.lost_at} for h in self.hosts.values()]
+
+    def describe_worker(self, worker_id: int) -> dict | None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return None
+        return {"host": w.host_id, "kv_blocks_cached": w.kv_blocks_cached,
+                "prefill_executables": w.prefill_executables}
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops every agent's workers, then ends the agents (their processes)."""
+        for host in self.hosts.values():
+            if host.state == "dead":
+                continue
+            try:
+                if wait:
+                    self._ray.get(host.agent.shutdown.remote(), timeout=60)
+            except Exception as e:  # a dead or stuck agent: killed below anyway
+                self.errors.append(f"host {host.host_id} shutdown: {type(e).__name__}: {e}")
+            self._ray.kill(host.agent, no_restart=True)

@@ -1,0 +1,166 @@
+"""The multi-host pool on Ray: 2 local host agents x 4 CPU devices, each its own process.
+
+First tokens equal the single-device reference (`full_prefill`, which the single-process pool
+also matches, `test_live_e2e.py`); requests are routed to both hosts; a prefix copied from a
+host-0 worker to a host-1 worker through Ray's object store is then a prefix hit there; and
+when host 1's agent is killed under load every request ends (answered, or a clean error), host
+0 keeps serving, and the restarted agent rejoins as new workers. Bounded in time throughout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from serving.engine import EngineConfig  # noqa: E402
+from serving.ray_pool import HostsConfig, build_ray_app  # noqa: E402
+from serving.server import ServerConfig  # noqa: E402
+from tests.serving.api_fixtures import wait_until  # noqa: E402
+from tests.serving.degree_router import DegreeRouter  # noqa: E402
+from vertumnus_jax import ModelConfig, full_prefill, init_model  # noqa: E402
+
+BS = 16
+ADMIN = {"Authorization": "Bearer admin"}
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    model = init_model(ModelConfig.tiny(), seed=0)
+    return lambda tokens: int(np.argmax(np.asarray(
+        full_prefill(model, np.asarray(tokens, np.int32))[0])[-1]))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    cfg = ServerConfig(composition=(2, 2), degrees=(1, 2, 4), admin_api_key="admin",
+                       min_bucket=64, router="tests.serving.degree_router:DegreeRouter",
+                       engine=EngineConfig(block_size=BS, kv_blocks_per_device=32,
+                                           max_model_len=128, controller=False,
+                                           cache_manager=False, tick_seconds=0.05))
+    app = build_ray_app(cfg, HostsConfig(local_hosts=2, devices_per_host=4,
+                                         startup_timeout_s=300))
+    try:
+        with TestClient(app) as client:
+            yield client, app.state.engine
+    finally:
+        DegreeRouter.worker_id = DegreeRouter.target = None
+        DegreeRouter.spread = False
+        ray.shutdown()
+
+
+def _prompt(seed, n=40):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def _workers(client):
+    return {w["worker_id"]: w for w in client.get("/v1/workers").json()["workers"]}
+
+
+def test_first_tokens_match_reference_on_both_hosts(pool, greedy):
+    client, _ = pool
+    workers = _workers(client)
+    assert sorted({w["host"] for w in workers.values()}) == [0, 1]
+    assert all(w["first_device"] // 4 == w["host"] for w in workers.values())
+    hosts_seen = set()
+    for i, wid in enumerate(sorted(workers)):
+        DegreeRouter.worker_id = wid
+        prompt = _prompt(i, 33 + 7 * i)
+        r = client.post("/v1/completions", json={"prompt": prompt})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["worker_id"] == wid
+        assert body["choices"][0]["token_ids"] == [greedy(prompt)]
+        hosts_seen.add(workers[wid]["host"])
+    assert hosts_seen == {0, 1}
+    DegreeRouter.worker_id = None
+    hosts = client.get("/v1/hosts").json()["hosts"]
+    assert [(h["host_id"], h["state"], h["devices"]) for h in hosts] == [
+        (0, "alive", 4), (1, "alive", 4)]
+    assert len({h["pid"] for h in hosts} | {os.getpid()}) == 3  # two processes of their own
+
+
+def test_prefix_copied_across_hosts_is_a_hit_there(pool, greedy):
+    client, engine = pool
+    workers = _workers(client)
+    src = min(w for w in workers if workers[w]["host"] == 0)
+    dst = min(w for w in workers if workers[w]["host"] == 1)
+    prompt = _prompt(100, 64)  # 4 full blocks
+    DegreeRouter.worker_id = src
+    assert client.post("/v1/completions", json={"prompt": prompt}).json()["worker_id"] == src
+    chain = tuple(engine._hash_prompt(prompt)[:3])
+    done = []
+
+    def begin():
+        done.append(engine.scheduler.copies.begin(src, dst, chain, BS, engine.now(),
+                                                  reason="inter-degree"))
+    engine._loop.call_soon_threadsafe(begin)
+    wait_until(lambda: done and not engine.scheduler.copies.in_flight, timeout=60)
+    assert engine.scheduler.prefix_index.match_blocks(chain, 3, [dst])[0] == 3
+    assert not engine.backend.errors
+    DegreeRouter.worker_id = dst
+    body = client.post("/v1/completions", json={"prompt": prompt}).json()
+    DegreeRouter.worker_id = None
+    assert body["worker_id"] == dst
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # copied, not recomputed
+    assert body["choices"][0]["token_ids"] == [greedy(prompt)]
+
+
+def test_host_death_under_load_loses_nothing(pool, greedy):
+    client, engine = pool
+    hosts = client.get("/v1/hosts").json()["hosts"]
+    victim = next(h for h in hosts if h["host_id"] == 1)
+    prompts = [_prompt(200 + i, 40 + i % 60) for i in range(120)]
+    done = []
+
+    def send(p):
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": p})
+        done.append(time.monotonic())
+        return r.status_code, r.json(), t0, time.monotonic()
+
+    DegreeRouter.spread = True  # both hosts get work
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            futures = [ex.submit(send, p) for p in prompts]
+            wait_until(lambda: len(done) >= 20, timeout=120)
+            killed = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            results = [f.result(timeout=180) for f in futures]
+    finally:
+        DegreeRouter.spread = False
+    across = [r for r in results if r[2] < killed < r[3]]
+    assert across, "no request was in flight when the host died"
+    failed = 0
+    for p, (status, body, _, _) in zip(prompts, results):
+        assert status in (200, 500), body  # answered, or failed cleanly: never lost
+        if status == 200:
+            assert body["choices"][0]["token_ids"] == [greedy(p)]
+        else:  # it was running on the dead host
+            assert "host 1" in body["error"]["message"], body
+            failed += 1
+    assert failed <= 2  # at most the prefills running on host 1's two workers
+    assert max(r[3] for r in results) - killed < 60  # nothing hangs
+    wait_until(lambda: client.get("/v1/hosts").json()["hosts"][1]["state"] != "alive"
+               or client.get("/v1/hosts").json()["hosts"][1]["pid"] != victim["pid"], 60)
+    after = client.post("/v1/completions", json={"prompt": _prompt(300)})  # host 0 serves on
+    assert after.status_code == 200 and after.json()["choices"][0]["token_ids"] == [
+        greedy(_prompt(300))]
+    # Ray restarts the killed agent bare; it rejoins as new workers
+    wait_until(lambda: client.get("/v1/hosts").json()["hosts"][1]["state"] == "alive", 240)
+    rejoined = client.get("/v1/hosts").json()["hosts"][1]
+    assert rejoined["pid"] != victim["pid"]
+    assert not set(rejoined["worker_ids"]) & set(victim["worker_ids"])
+    DegreeRouter.worker_id = rejoined["worker_ids"][0]
+    r = client.post("/v1/completions", json={"prompt": _prompt(301)})
+    DegreeRouter.worker_id = None
+    assert r.status_code == 200 and r.json()["worker_id"] == rejoined["worker_ids"][0]
+    assert r.json()["choices"][0]["token_ids"] == [greedy(_prompt(301))]
