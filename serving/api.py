@@ -193,7 +193,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         token_lists = [_tokens(p, i, batch) for i, p in enumerate(prompts)]
         rid = request.headers.get("x-request-id")  # checked by the gate, echoed by it
         completion_id = f"cmpl-{rid}" if rid else f"cmpl-{uuid.uuid4().hex}"
-        holds = hold_ids(completion_id, len(token_lists)) if _holds(body) else None
+        holds = _hold_ids(completion_id, len(token_lists)) if _holds(body) else None
         results = await run_prompts(token_lists, request, holds)
         answer = _response(results, body.model or names[0], tokenizer, completion_id,
                            kv_params(request))
@@ -211,7 +211,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        holds = hold_ids(f"chatcmpl-{rid}", 1, chat=True) if _holds(body) else None
+        holds = _hold_ids(f"chatcmpl-{rid}", 1, chat=True) if _holds(body) else None
         results = await run_prompts([_tokens(ids, 0, False, "messages")], request, holds)
         completion = _response(results, body.model or names[0], tokenizer, "",
                                kv_params(request))
@@ -338,6 +338,13 @@ async def _disconnected(receive) -> None:
     so nothing else arrives; the server answers it only when the client has gone)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _hold_ids(completion_id: str, n: int, chat: bool = False) -> list[str]:
+    try:
+        return hold_ids(completion_id, n, chat)
+    except ValueError as e:
+        raise ApiError(400, str(e), "X-Request-Id") from None
 
 
 def _holds(body) -> bool:

@@ -8,7 +8,7 @@ carry vLLM's keys for the decode side:
 
 | key | value |
 | --- | --- |
-| `do_remote_prefill` | true: the decode side reads the prompt's KV from here |
+| `do_remote_prefill` | true: the decode side reads the prompt's KV from here (false without a hold) |
 | `do_remote_decode` | false |
 | `remote_engine_id` | `vertumnus-worker-<worker>-epoch-<epoch>` |
 | `remote_block_ids` | the prompt's blocks, partial last one included |
@@ -28,13 +28,18 @@ Endpoints:
 Both answer 404 for an unknown id, 409 while its prefill still runs, and 410 (`gone`, with the
 reason: pulled, released, expired, preempted, failed) for a hold that ended.
 
-Without `do_remote_decode` nothing is held and `kv_transfer_params` names the prompt's full
-blocks, left unpinned in the worker's prefix cache (as before this API existed).
+Without `do_remote_decode` nothing is held: `kv_transfer_params` names the prompt's full blocks,
+left unpinned in the worker's prefix cache, with `do_remote_prefill: false` (nothing to pull).
+
+Block ids are per rank: block i lies on rank `i % cp_degree` (`remote_block_ranks`), so one id
+can appear once per rank (`[0, 0, 0, 0]` on a CP-4 worker is four different blocks); a decode
+side that reads the KV over HTTP never needs them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -43,9 +48,22 @@ from serving.kv_format import kv_to_safetensors
 from serving.kv_hold import HoldGone
 
 
+# Characters a hold id may have: it is a path segment of `/v1/kv/{id}` as it stands (RFC 3986
+# unreserved and sub-delims, ':' and '@'); '/', '?', '#', '%' and spaces would need encoding.
+_HOLD_ID = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
+
+
 def hold_ids(completion_id: str, n: int, chat: bool = False) -> list[str]:
     """The hold ids (`remote_request_id`) of a request's `n` prompts: `<id>-<i>` as vLLM
-    numbers the prompts of a completions batch; a chat request's own id."""
+    numbers the prompts of a completions batch; a chat request's own id.
+
+    Raises:
+      ValueError: the id (from `X-Request-Id`) holds a character a URL path segment cannot
+        carry as is (`/`, `?`, `#`, `%`, ...), so the decode side could not pull it.
+    """
+    if not _HOLD_ID.fullmatch(completion_id):
+        raise ValueError(f"X-Request-Id {completion_id!r} cannot name held KV: use only letters, "
+                         "digits and ._~!$&'()*+,;=:@- (it becomes the path /v1/kv/<id>)")
     return [completion_id] if chat else [f"{completion_id}-{i}" for i in range(n)]
 
 
@@ -62,7 +80,7 @@ def kv_transfer_params(record, live, *, host: str | None, port: int | None,
     if live is None:
         return None
     c = live.cp_degree
-    out = {"do_remote_prefill": True, "do_remote_decode": False,
+    out = {"do_remote_prefill": live.hold_id is not None, "do_remote_decode": False,
            "remote_engine_id": f"vertumnus-worker-{live.worker_id}-epoch-{record.epoch}",
            "remote_block_ids": list(live.block_ids),
            "remote_block_ranks": [i % c for i in range(len(live.block_ids))],

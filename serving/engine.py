@@ -256,6 +256,8 @@ class Engine(EngineAdmin):
             results = await self._admit_and_wait(prompts, ttft_slo, disconnected, hold_ids,
                                                  futures)
             kept = all(c.record.ok for c in results)
+            if handoff is not None and kept:
+                handoff.holds.issue(hold_ids)  # answered now: preemptable from here on
             return results
         finally:
             if handoff is not None:

@@ -123,18 +123,24 @@ class HostAgent:
     def _clock(self) -> float:
         return time.monotonic() - self._t0
 
-    async def setup(self, composition: Sequence[int], worker_ids: Sequence[int]) -> list[int]:
+    async def setup(self, composition: Sequence[int], worker_ids: Sequence[int],
+                    replace: bool = False) -> list[int]:
         """Carves the host's devices into workers of `composition` (CP degrees in device order)
-        with the given pool-wide ids; returns the ids. A second call replaces nothing: it raises.
+        with the given pool-wide ids; returns the ids. With `replace`, workers set up before
+        are stopped and dropped first (their KV and caches with them): a host the head lost
+        comes back as new workers.
 
         Raises:
-          RuntimeError: already set up. ValueError: a bad composition or ids.
+          RuntimeError: already set up (without `replace`). ValueError: a bad composition or ids.
         """
         from mesh import DevicePool
         from serving.live_backend import LiveBackend
 
-        if self.backend is not None:
+        if self.backend is not None and not replace:
             raise RuntimeError(f"host {self.config.host_id} is set up already")
+        if self.backend is not None:
+            old, self.backend = self.backend, None
+            await asyncio.to_thread(old.shutdown, True)
         cfg = self.config
         pool = DevicePool(list(self.devices), list(composition), worker_ids=list(worker_ids))
         backend = LiveBackend(pool, self._replicas, self._graphdef, num_blocks=cfg.num_blocks,

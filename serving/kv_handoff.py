@@ -61,8 +61,9 @@ class KVHandOff:
         return hold_id
 
     def preempt_oldest(self, worker_id: int, worker) -> bool:
-        """Releases the worker's oldest hold (a prefill needs its blocks). False if none."""
-        holds = self.holds.on_worker(worker_id)
+        """Releases the worker's oldest answered hold (a prefill needs its blocks). False if
+        none."""
+        holds = self.holds.on_worker(worker_id, issued_only=True)
         if not holds:
             return False
         _log.warning("KV hold %r released early: a prefill on worker %d needed its %d blocks",

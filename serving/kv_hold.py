@@ -17,8 +17,8 @@ How a hold ends, counted per reason in `KVHolds.released`:
   released  `DELETE`;
   expired   `hold_seconds` passed;
   preempted a prefill on the same worker needed the blocks and nothing else could be evicted
-            (the oldest hold goes first; without this a pool full of pins would fail every
-            prefill);
+            (the oldest hold whose id was already answered goes first; without this a pool full
+            of pins would fail every prefill);
   failed    the request failed after its prefill (another prompt of its batch failed), so no
             decode side ever learns its id.
 A hold on a worker that is split or merged is *offloaded* first: its KV is copied to host memory
@@ -66,6 +66,8 @@ class KVHold:
       handle: the backend's handle of the live request (`vertumnus_jax.RequestResult`) while
         the blocks are pinned; None once offloaded.
       host: `(k, v)` numpy `[layers, num_tokens, kv_heads, head_dim]` once offloaded.
+      issued: its id was handed to the client (`KVHolds.issue`); only then may a prefill that
+        needs the blocks preempt it (a hold nobody has heard of yet must not vanish).
     """
 
     hold_id: str
@@ -79,6 +81,7 @@ class KVHold:
     expires: float
     handle: object | None = None
     host: tuple[np.ndarray, np.ndarray] | None = None
+    issued: bool = False
 
 
 class KVHolds:
@@ -171,11 +174,19 @@ class KVHolds:
             self.released[reason] += 1
             return hold
 
-    def on_worker(self, worker_id: int) -> list[KVHold]:
-        """The worker's device-resident holds, oldest first."""
+    def issue(self, hold_ids: Iterable[str]) -> None:
+        """Marks holds whose ids are being answered to the client (see `KVHold.issued`)."""
         with self.lock:
-            return sorted((h for h in self._holds.values() if h.worker_id == worker_id),
-                          key=lambda h: h.created)
+            for h in hold_ids:
+                if h in self._holds:
+                    self._holds[h].issued = True
+
+    def on_worker(self, worker_id: int, issued_only: bool = False) -> list[KVHold]:
+        """The worker's device-resident holds (with `issued_only`, those answered), oldest
+        first."""
+        with self.lock:
+            return sorted((h for h in self._holds.values() if h.worker_id == worker_id
+                           and (h.issued or not issued_only)), key=lambda h: h.created)
 
     def expired(self, now: float) -> list[str]:
         """Ids of the holds whose time passed at `now` (seconds, the backend's clock)."""

@@ -206,8 +206,11 @@ def main(argv):
     if _CACHE_DIR.value:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE_DIR.value))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    devices = jax.devices()
-    if len(devices) < _NUM_DEVICES.value:
+    multi_host = bool(_RAY_ADDRESS.value or _LOCAL_HOSTS.value)
+    # The head of a multi-host pool uses no device (the host agents do); starting a jax backend
+    # here would also start threads before Ray forks its processes.
+    devices = [] if multi_host else jax.devices()
+    if not multi_host and len(devices) < _NUM_DEVICES.value:
         raise app.UsageError(f"--num_devices={_NUM_DEVICES.value} but only {len(devices)} "
                              f"{jax.default_backend()} devices exist")
     import uvicorn
@@ -216,7 +219,7 @@ def main(argv):
     from serving.server import build_app
 
     try:
-        if _RAY_ADDRESS.value or _LOCAL_HOSTS.value:
+        if multi_host:
             from serving.ray_pool import HostsConfig, build_ray_app
             application = build_ray_app(config, HostsConfig(
                 _RAY_ADDRESS.value, _LOCAL_HOSTS.value, _DEVICES_PER_HOST.value))
@@ -225,7 +228,7 @@ def main(argv):
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
-                 _HOST.value, _PORT.value, _NUM_DEVICES.value)
+                 _HOST.value, _PORT.value, application.state.engine.num_devices)
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
     server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
                                            log_level=_LOG_LEVEL.value),

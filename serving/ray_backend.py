@@ -32,8 +32,9 @@ from serving.policy.backend import PrefillResult
 from serving.policy.worker import WorkerSpec
 
 _log = logging.getLogger(__name__)
-# Seconds between liveness pings of one host agent.
+# Seconds between liveness pings of one host agent, and how long one may take.
 PING_INTERVAL = 1.0
+PING_TIMEOUT = 10.0
 
 
 @dataclasses.dataclass
@@ -127,20 +128,50 @@ class RayBackend:
     def _host_of(self, worker_id: int) -> HostState:
         return self.hosts[self.workers[worker_id].host_id]
 
-    def _then(self, ref, host: HostState, on_result: Callable, what: str) -> None:
-        """Calls `on_result(value)` on the scheduler's thread when `ref` resolves; a dead agent
-        loses its host instead; any other exception is `on_result(exc)`."""
+    def _then(self, ref, hosts: Sequence[HostState], on_result: Callable, what: str) -> None:
+        """Calls `on_result(value)` on the scheduler's thread when `ref` resolves; an exception
+        raised inside the agent's method is `on_result(exc)`. When an actor of `hosts` died
+        (`RayActorError`; a copy's failed export reaches its import this way too), each of
+        `hosts` is pinged first: those that do not answer, or answer restarted, are lost (that
+        answers their requests); if none is, the call failed alone: `on_result(exc)`."""
         def done(future):
             try:
                 value = future.result()
             except self._ray.exceptions.RayActorError as e:
-                why = f"{what}: {type(e).__name__}"
-                self._post(lambda: self.host_lost(host.host_id, why))
+                err = RuntimeError(f"{what}: {type(e).__name__}")
+                self._post(lambda: self._suspect(hosts, str(err), lambda: on_result(err)))
                 return
             except Exception as e:  # an error inside the agent's method
                 value = e
             self._post(lambda: on_result(value))
         ref.future().add_done_callback(done)
+
+    def _suspect(self, hosts: Sequence[HostState], why: str, if_alive: Callable) -> None:
+        """Pings `hosts`; loses each that is dead or restarted; `if_alive()` when none was."""
+        pending = {h.host_id for h in hosts}
+        lost = []
+
+        def answered(host, info):
+            pending.discard(host.host_id)
+            if info is None or not info.get("ready") or info.get("pid") != host.info.get("pid"):
+                lost.append(host)
+                self.host_lost(host.host_id, why)
+            if not pending and not lost:
+                if_alive()
+
+        for host in hosts:
+            self._ping(host, answered)
+
+    def _ping(self, host: HostState, callback: Callable) -> None:
+        """`callback(host, info)` on the scheduler's thread: the agent's `info()`, or None when
+        the call raised (a dead or restarting agent)."""
+        def answered(future):
+            try:
+                info = future.result()
+            except Exception:  # RayActorError, a restarting agent
+                info = None
+            self._post(lambda: callback(host, info))
+        host.agent.info.remote().future().add_done_callback(answered)
 
     # ------------------------------------------------------------------------------ Backend
     def start_prefill(self, worker_id: int, request, now: float) -> None:
@@ -171,16 +202,19 @@ class RayBackend:
             self.scheduler.complete(worker_id, rid, t, PrefillResult(
                 out["cached_len"], t, t, out["inserted"], out["evicted"], out["first_token"]))
 
-        self._then(host.agent.prefill.remote(worker_id, request), host, finished, "prefill")
+        self._then(host.agent.prefill.remote(worker_id, request), [host], finished, "prefill")
 
     def recarve(self, reconfiguration, now: float) -> None:
         rec = reconfiguration
         host = self._host_of(rec.old_ids[0])
 
         def finished(cached):
-            if isinstance(cached, Exception):
+            if host.state != "alive" or rec.epoch not in self.scheduler.reconfig.in_progress:
+                return  # the host was lost meanwhile: the change was abandoned with it
+            if isinstance(cached, Exception):  # the agent's state is unknown: start it afresh
                 self.errors.append(f"re-carve of epoch {rec.epoch} on host {host.host_id} "
                                    f"failed: {cached}")
+                self.host_lost(host.host_id, f"re-carve of epoch {rec.epoch} failed")
                 return
             for wid in rec.old_ids:
                 self.workers.pop(wid, None)
@@ -190,7 +224,7 @@ class RayBackend:
                 self.workers[spec.worker_id].kv_blocks_cached = len(cached.get(spec.worker_id, ()))
             self.scheduler.finish_reconfiguration(rec.epoch, self._clock(), cached)
 
-        self._then(host.agent.recarve.remote(rec), host, finished, "re-carve")
+        self._then(host.agent.recarve.remote(rec), [host], finished, "re-carve")
 
     def replicate(self, replication, now: float) -> None:
         rep = replication
@@ -213,7 +247,7 @@ class RayBackend:
         else:  # through the object store: the export's ref goes straight to the import
             kv = src.agent.export_prefix.remote(rep.src, rep.chain, rep.start)
             ref = dst.agent.import_prefix.remote(rep.dst, rep.chain, rep.start, kv)
-        self._then(ref, dst, finished, "copy")
+        self._then(ref, [src] if src is dst else [src, dst], finished, "copy")
 
     def reclaim(self, worker_id: int, chain, now: float) -> None:
         chain = tuple(chain)
@@ -230,14 +264,20 @@ class RayBackend:
                 w.kv_blocks_cached -= len(evicted)
             self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), evicted)
 
-        self._then(host.agent.reclaim.remote(worker_id, chain), host, finished, "reclaim")
+        self._then(host.agent.reclaim.remote(worker_id, chain), [host], finished, "reclaim")
 
     def reset_prefix_cache(self) -> dict[int, tuple[int, ...]]:
-        """Evicts every unreferenced block on every live host (blocks until they answer)."""
+        """Evicts every unreferenced block on every live host; returns what each host that
+        answered (within `PING_TIMEOUT` seconds each: an admin call blocks the loop that long
+        at most) evicted. A host that fails is left as it was and recorded in `errors`."""
         out = {}
-        for host in self.hosts.values():
-            if host.state == "alive":
-                out.update(self._ray.get(host.agent.reset_prefix_cache.remote(), timeout=60))
+        calls = {h.host_id: h.agent.reset_prefix_cache.remote() for h in self.hosts.values()
+                 if h.state == "alive"}
+        for host_id, ref in calls.items():
+            try:
+                out.update(self._ray.get(ref, timeout=PING_TIMEOUT))
+            except Exception as e:  # a dying agent: the liveness ping will lose it
+                self.errors.append(f"host {host_id} reset_prefix_cache: {type(e).__name__}: {e}")
         for wid, evicted in out.items():
             if wid in self.workers:
                 self.workers[wid].kv_blocks_cached -= len(evicted)
@@ -251,55 +291,52 @@ class RayBackend:
         if host.state == "dead":
             return
         host.state, host.lost_at = "dead", self._clock()
-        lost = sorted(host.worker_ids)
+        # the scheduler's view is authoritative: its workers there, and those a change is making
+        lost = self.scheduler.membership.host_worker_ids(host_id)
         _log.error("host %d lost (%s): its workers %s leave the pool", host_id, reason, lost)
+        gone = set(lost) | host.worker_ids
         for rid, wid in list(self._running.items()):
-            if wid in host.worker_ids:
+            if wid in gone:
                 del self._running[rid]  # lose_workers answers them
         host.worker_ids.clear()
-        for wid in lost:
+        for wid in gone:
             self.workers.pop(wid, None)
-        self.scheduler.lose_workers(lost, self._clock(),
-                                    f"host {host_id} was lost ({reason})")
+        if lost:
+            self.scheduler.lose_workers(lost, self._clock(),
+                                        f"host {host_id} was lost ({reason})")
 
     def tick(self, now: float) -> None:
         """Pings every host agent (one ping in flight per host): a dead one is lost; a dead one
         that answers again (restarted by Ray, bare) is set up anew and rejoins."""
         for host in self.hosts.values():
+            if host.ping_in_flight and host.state == "alive" and \
+                    now - host.last_ping > PING_TIMEOUT:  # a hung agent is as good as dead
+                self.host_lost(host.host_id, f"no answer to a ping in {PING_TIMEOUT:.0f} s")
+                host.ping_in_flight = False
             if host.ping_in_flight or host.state in ("starting", "rejoining") or \
                     now - host.last_ping < PING_INTERVAL:
                 continue
             host.ping_in_flight, host.last_ping = True, now
-            ref = host.agent.info.remote()
+            self._ping(host, self._pinged)
 
-            def answered(future, host=host):
-                try:
-                    info = future.result()
-                except Exception as e:  # RayActorError, or the restarting agent
-                    err = e
-                    self._post(lambda: self._ping_failed(host, err))
-                    return
-                self._post(lambda: self._pinged(host, info))
-            ref.future().add_done_callback(answered)
-
-    def _ping_failed(self, host: HostState, exc: Exception) -> None:
+    def _pinged(self, host: HostState, info: dict | None) -> None:
         host.ping_in_flight = False
-        if host.state == "alive":
-            self.host_lost(host.host_id, f"ping: {type(exc).__name__}")
-
-    def _pinged(self, host: HostState, info: dict) -> None:
-        host.ping_in_flight = False
+        if info is None:
+            if host.state == "alive":
+                self.host_lost(host.host_id, "ping failed")
+            return
         if host.state == "alive" and (not info.get("ready") or
                                       info.get("pid") != host.info.get("pid")):
             self.host_lost(host.host_id, "its agent restarted")  # Ray restarted it unseen
-        if host.state == "dead" and not info.get("ready"):
-            host.info = info  # the restarted agent: a new process
+        if host.state == "dead":  # restarted bare, or alive but lost (its workers are reset)
+            host.info = info
             self._rejoin(host)
         elif host.state == "alive":
             host.info = info
 
     def _rejoin(self, host: HostState) -> None:
-        """Sets a restarted (bare) agent up with new worker ids; they join when it answers."""
+        """Sets a lost host's agent (restarted bare, or alive with the old workers, which it
+        drops) up with new worker ids; they join when it answers."""
         host.state = "rejoining"
         m = self.devices_per_host
         ids = self.scheduler.new_worker_ids(len(host.composition))
@@ -311,7 +348,7 @@ class RayBackend:
 
         def ready(out):
             if isinstance(out, Exception):
-                host.state = "dead"
+                host.state = "dead"  # the next ping tries again
                 self.errors.append(f"host {host.host_id} could not rejoin: {out}")
                 return
             host.state, host.lost_at = "alive", None
@@ -320,7 +357,8 @@ class RayBackend:
             self.scheduler.add_workers(specs, self._clock())
             _log.warning("host %d rejoined as workers %s", host.host_id, ids)
 
-        self._then(host.agent.setup.remote(list(host.composition), ids), host, ready, "setup")
+        self._then(host.agent.setup.remote(list(host.composition), ids, replace=True), [host],
+                   ready, "setup")
 
     def hosts_info(self) -> list[dict]:
         """`GET /v1/hosts`: per host its id, state, node, pid, devices and workers."""

@@ -265,7 +265,8 @@ def main(argv):
         sys.exit(f"error: the workload {name!r} has no requests in {_DURATION.value} s")
     api_key = _API_KEY.value or (os.environ.get("OPENAI_API_KEY") if openai else None)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    url = _URL.value or f"http://127.0.0.1:{_PORT.value}"
+    url = (_URL.value or f"http://127.0.0.1:{_PORT.value}").rstrip("/")
+    url = url.removesuffix("/v1")  # an OpenAI base URL (".../v1") names the same server
     ctx = (launched_server(f"--port={_PORT.value} {_SERVER_FLAGS.value}", url, headers)
            if _LAUNCH.value else contextlib.nullcontext())
     with ctx:
@@ -345,6 +346,8 @@ def main(argv):
     if path != wanted:
         print(f"warning: {wanted} exists (written meanwhile); not replaced")
     print(f"results in {path}")
+    if outputs and not any(o.success for o in outputs):
+        sys.exit(f"error: all {len(outputs)} requests failed (see {path})")
 
 
 if __name__ == "__main__":

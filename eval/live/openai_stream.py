@@ -11,8 +11,10 @@ true}`, and reads the server-sent events from httpx's streamed response
   adds an inter-token latency; the latency ends at the last one;
 - a usage event (`"choices": []`) gives `completion_tokens` and, when the server reports them,
   `prompt_tokens_details.cached_tokens`; `data: [DONE]` ends the stream;
-- an HTTP error status, a connection error or timeout, a malformed event or a stream without a
-  token make a failed request with the reason (`HTTP 500: ...`), never an exception.
+- an HTTP error status, a connection error, the client's timeout passing for the whole request
+  (not only between reads), a malformed event, an `error` event (vLLM sends one mid-stream) or
+  a stream without a token make a failed request with the reason (`HTTP 500: ...`), never an
+  exception.
 
 Events are parsed by `httpx-sse` (the SSE standard: fields per line, `:` comments skipped, a
 blank line ends an event, multi-line `data` joined with newlines).
@@ -20,6 +22,7 @@ blank line ends an event, multi-line `data` joined with newlines).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -65,8 +68,10 @@ async def post_stream(client: httpx.AsyncClient, t0: float, sent: float, request
     first_id = chunks = 0
     completion_tokens = None
     try:
-        async with aconnect_sse(client, "POST", "/v1/completions", json=payload,
-                                headers=headers) as source:
+        # the client's timeout bounds the whole request, not only each read (a server that
+        # sends keep-alive comments and never a token must not hold a request forever)
+        async with asyncio.timeout(client.timeout.read), aconnect_sse(
+                client, "POST", "/v1/completions", json=payload, headers=headers) as source:
             resp = source.response
             if resp.status_code != 200:
                 out.error = _error_message(resp.status_code, await resp.aread())
@@ -76,6 +81,11 @@ async def post_stream(client: httpx.AsyncClient, t0: float, sent: float, request
                     if data.strip() == "[DONE]":
                         break
                     event = json.loads(data)
+                    if event.get("error"):  # vLLM's mid-stream error event
+                        err = event["error"]
+                        out.error = "error event: " + str(
+                            err.get("message", err) if isinstance(err, dict) else err)[:200]
+                        break
                     choices = event.get("choices") or []
                     choice = choices[0] if choices else {}
                     if isinstance(choice.get("text"), str) or choice.get("token_ids"):
@@ -93,7 +103,7 @@ async def post_stream(client: httpx.AsyncClient, t0: float, sent: float, request
                     details = usage.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         out.cached_tokens = int(details["cached_tokens"])
-                if chunks == 0:
+                if chunks == 0 and not out.error:
                     out.error = "no token in the stream (cannot time the first token)"
     except Exception as e:  # noqa: BLE001 (a broken server must not end the run)
         out.error = f"{type(e).__name__}: {e}"

@@ -145,11 +145,16 @@ def test_release_and_errors(server):
         assert gone.status_code == 410 and "released" in gone.json()["error"]["message"]
     assert client.delete(f"/v1/kv/{ids[0]}").status_code == 410
     assert client.get("/v1/kv/never-sent").status_code == 404
+    for rid in ("a/b", "q?x=1", "50%", "frag#1"):  # the id must be a path segment as it is
+        bad = client.post("/v1/completions", headers={"X-Request-Id": rid}, json={
+            "prompt": "x", "kv_transfer_params": PROXY_KV})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id", rid
     r = client.post("/v1/completions", json={
         "prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
     plain = _prefill(client, _prompt(33, 40), 2, "plain", hold=False)["kv_transfer_params"]
     assert "remote_request_id" not in plain and plain["num_tokens"] == 32  # full blocks only
+    assert plain["do_remote_prefill"] is False  # nothing held: nothing for a decode side to pull
     assert len(engine.backend.handoff.holds) == 0
 
 
@@ -183,6 +188,22 @@ def test_preemption_releases_the_oldest_hold(server, reference):
     assert gone.status_code == 410 and "preempted" in gone.json()["error"]["message"]
     _assert_kv_equal(_pull(client, ids[1]), reference(_prompt(51, 64)))
     assert client.delete(f"/v1/kv/{ids[2]}").status_code == 200
+
+
+def test_a_hold_is_never_preempted_before_its_id_was_answered(server):
+    client, engine = server
+    assert client.post("/reset_prefix_cache", headers=ADMIN).status_code == 200
+    holds = engine.backend.handoff.holds
+    before = dict(holds.released)
+    DegreeRouter.target = 1
+    # 3 x 7 blocks on one 16-block worker: the third prompt cannot fit while the batch's own
+    # first two are held, and those ids are not answered yet: the batch fails as a whole
+    r = client.post("/v1/completions", headers={"X-Request-Id": "too-big"}, json={
+        "prompt": [_prompt(80 + i, 100) for i in range(3)], "kv_transfer_params": PROXY_KV})
+    DegreeRouter.target = None
+    assert r.status_code == 500 and "OutOfBlocksError" in r.json()["error"]["message"], r.text
+    assert len(holds) == 0 and holds.released["preempted"] == before["preempted"]
+    assert holds.released["failed"] == before["failed"] + 2  # the two made, freed at failure
 
 
 def test_hold_survives_a_split(server, reference):

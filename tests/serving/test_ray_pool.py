@@ -164,3 +164,35 @@ def test_host_death_under_load_loses_nothing(pool, greedy):
     DegreeRouter.worker_id = None
     assert r.status_code == 200 and r.json()["worker_id"] == rejoined["worker_ids"][0]
     assert r.json()["choices"][0]["token_ids"] == [greedy(_prompt(301))]
+
+
+def test_a_copy_from_a_dying_host_loses_that_host_only(pool):
+    client, engine = pool
+    wait_until(lambda: all(h["state"] == "alive" for h in client.get("/v1/hosts").json()["hosts"]),
+               240)
+    hosts = client.get("/v1/hosts").json()["hosts"]
+    src, dst = min(hosts[0]["worker_ids"]), min(hosts[1]["worker_ids"])
+    prompt = _prompt(400, 64)
+    DegreeRouter.worker_id = src
+    assert client.post("/v1/completions", json={"prompt": prompt}).json()["worker_id"] == src
+    DegreeRouter.worker_id = None
+    chain = tuple(engine._hash_prompt(prompt)[:3])
+    begun = []
+
+    def begin():
+        try:
+            begun.append(engine.scheduler.copies.begin(src, dst, chain, BS, engine.now(),
+                                                       reason="inter-degree"))
+        except ValueError as e:  # the ping found host 0 dead first: nothing to copy from
+            begun.append(e)
+    os.kill(hosts[0]["pid"], signal.SIGKILL)
+    engine._loop.call_soon_threadsafe(begin)
+    wait_until(lambda: client.get("/v1/hosts").json()["hosts"][0]["state"] != "alive", 60)
+    wait_until(lambda: begun and not engine.scheduler.copies.in_flight, 60)
+    time.sleep(1.5)  # a ping or two later
+    now = client.get("/v1/hosts").json()["hosts"]
+    assert now[1]["state"] == "alive" and now[1]["worker_ids"] == hosts[1]["worker_ids"]
+    assert engine.scheduler.prefix_index.match_blocks(chain, 3, [dst])[0] == 0  # not copied
+    r = client.post("/v1/completions", json={"prompt": _prompt(401)})  # host 1 serves on
+    assert r.status_code == 200
+    wait_until(lambda: client.get("/v1/hosts").json()["hosts"][0]["state"] == "alive", 240)

@@ -5,7 +5,9 @@ Only `GET /v1/models` (one model, `max_model_len` but no `vocab_size`, as vLLM a
 and `[DONE]`, or not streamed); every other path is a 404 (no `/v1/workers`, no `/health`).
 Each completion generates `max_tokens` tokens (`" t<k>"`), `gap_s` apart when streamed.
 `fail_every=k` answers every k-th completion (1-based, in arrival order) with a 500; `api_key`
-makes every path require `Authorization: Bearer <api_key>` (401 otherwise). Everything asked
+makes every path require `Authorization: Bearer <api_key>` (401 otherwise); `error_after_first`
+sends an `error` event after the first token (as vLLM does mid-stream); `stall_s` sends only
+keep-alive comments for that long before the first token. Everything asked
 is logged in `StubLog` for the tests to compare with the load generator's result.
 """
 
@@ -34,7 +36,8 @@ class StubLog:
     auth: list[str | None] = dataclasses.field(default_factory=list)  # Authorization headers
 
 
-def make_stub(fail_every: int = 0, gap_s: float = 0.002, api_key: str | None = None
+def make_stub(fail_every: int = 0, gap_s: float = 0.002, api_key: str | None = None,
+              error_after_first: bool = False, stall_s: float = 0.0
               ) -> tuple[FastAPI, StubLog]:
     """The app and its log (module doc)."""
     app = FastAPI()
@@ -81,7 +84,14 @@ def make_stub(fail_every: int = 0, gap_s: float = 0.002, api_key: str | None = N
 
         async def events():
             yield ": stub keep-alive comment\n\n"
+            end = time.monotonic() + stall_s
+            while time.monotonic() < end:  # keep-alive comments, no token, for stall_s
+                await asyncio.sleep(0.05)
+                yield ": still here\n\n"
             for k in range(n):
+                if k and error_after_first:  # as vLLM reports an error mid-stream
+                    yield f"data: {json.dumps({'error': {'message': 'stub broke', 'code': 500}})}\n\n"
+                    break
                 if k:
                     await asyncio.sleep(gap_s)
                 choice = {"index": 0, "text": f" t{k}", "logprobs": None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import os
 import pathlib
 import subprocess
@@ -153,6 +154,30 @@ def test_replay_openai_in_process_connection_error_is_recorded():
                                         model=MODEL, timeout=5.0))
     assert all(not r.ok and "Error" in r.error for r in records)
     assert [o.success for o in state["outputs"]] == [False, False] and "composition" not in state
+
+
+def test_replay_openai_error_event_and_a_stalled_stream_fail_the_request():
+    reqs, _ = workload("", "auto", duration=2.0, rate=0.0, seed=4, trace_block_size=512)
+    pairs = scaled_requests(reqs[:2], PromptScale(16, VOCAB, 256), 16)
+    app, _ = make_stub(error_after_first=True)
+    records, _ = asyncio.run(replay("http://stub", pairs, backend="openai", model=MODEL,
+                                    max_tokens=3, transport=httpx.ASGITransport(app)))
+    assert [r.error for r in records] == ["error event: stub broke"] * 2
+    app, _ = make_stub(stall_s=30.0)
+    t0 = time.monotonic()
+    records, _ = asyncio.run(replay("http://stub", pairs[:1], backend="openai", model=MODEL,
+                                    timeout=1.0, transport=httpx.ASGITransport(app)))
+    assert not records[0].ok and "Timeout" in records[0].error
+    assert time.monotonic() - t0 < 20  # the timeout bounds the request, not each read
+
+
+def test_cli_exits_nonzero_when_every_request_fails_and_takes_a_v1_url(stub, tmp_path):
+    url, log = stub(fail_every=1)
+    proc = _cli(url + "/v1", tmp_path, f"--vocab_size={VOCAB}")
+    assert proc.returncode != 0 and "all 8 requests failed" in proc.stderr, proc.stderr
+    assert log.paths and all(p.startswith("/v1/") and not p.startswith("/v1/v1")
+                             for p in log.paths)
+    assert len(list(tmp_path.iterdir())) == 1  # the result is still written
 
 
 def test_replay_openai_over_asgi_transport():
