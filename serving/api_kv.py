@@ -26,7 +26,7 @@ Endpoints:
   The pull ends the hold (`?release=false` keeps it, e.g. to retry a failed transfer).
 - `DELETE /v1/kv/{request_id}` ends the hold without reading it.
 Both answer 404 for an unknown id, 409 while its prefill still runs, and 410 (`gone`, with the
-reason: pulled, released, expired, preempted, failed) for a hold that ended.
+reason: pulled, released, expired, preempted, failed, host_lost) for a hold that ended.
 
 Without `do_remote_decode` nothing is held: `kv_transfer_params` names the prompt's full blocks,
 left unpinned in the worker's prefix cache, with `do_remote_prefill: false` (nothing to pull).

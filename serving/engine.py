@@ -257,7 +257,7 @@ class Engine(EngineAdmin):
                                                  futures)
             kept = all(c.record.ok for c in results)
             if handoff is not None and kept:
-                handoff.holds.issue(hold_ids)  # answered now: preemptable from here on
+                handoff.issue(hold_ids)  # answered now: preemptable from here on
             return results
         finally:
             if handoff is not None:

@@ -149,6 +149,7 @@ class HostAgent:
                               min_bucket=cfg.min_bucket)
         backend.scheduler = self._outcomes
         self.backend = backend
+        asyncio.get_running_loop().create_task(self._ticks(backend))
         return list(worker_ids)
 
     def info(self) -> dict:
@@ -167,7 +168,7 @@ class HostAgent:
         start()
         return await asyncio.wrap_future(future)
 
-    async def prefill(self, worker_id: int, request) -> dict:
+    async def prefill(self, worker_id: int, request, hold_id: str | None = None) -> dict:
         """Runs one prefill (`LiveBackend.start_prefill`) and returns its outcome: `ok`, and
         either `first_token`, `cached_len`, `inserted`, `evicted`, `block_ids`, `num_tokens`,
         `device_ids`, `cp_degree`, `seconds` (in the agent), `entered` / `left` (wall-clock
@@ -178,14 +179,23 @@ class HostAgent:
         if b is None:  # Ray restarted this agent: it has no workers until set up again
             return {"ok": False, "restarted": True,
                     "error": "the host agent restarted and lost its workers"}
-        kind, value = await self._wait(("prefill", request.request_id),
-                                       lambda: b.start_prefill(worker_id, request, 0.0))
+        if hold_id is not None:  # keep the KV for a decode side (`serving.ray_handoff`)
+            b.handoff.holds.reserve([hold_id])
+            b.handoff.wanted[request.request_id] = hold_id
+        try:
+            kind, value = await self._wait(("prefill", request.request_id),
+                                           lambda: b.start_prefill(worker_id, request, 0.0))
+        finally:
+            if hold_id is not None:
+                b.handoff.wanted.pop(request.request_id, None)
+                b.handoff.holds.unreserve([hold_id])
         if kind != "ok":
             return {"ok": False, "error": value}
         live = b.prefills.pop(request.request_id)
         return {"ok": True, "first_token": value.first_token, "cached_len": value.cached_len,
                 "inserted": tuple(value.inserted_blocks), "evicted": tuple(value.evicted_blocks),
                 "block_ids": live.block_ids, "num_tokens": live.num_tokens,
+                "hold_id": live.hold_id,
                 "device_ids": live.device_ids, "cp_degree": live.cp_degree,
                 "seconds": time.perf_counter() - t0, "entered": entered, "left": time.time()}
 
@@ -231,6 +241,37 @@ class HostAgent:
             return tuple(r.inserted), tuple(r.evicted)
 
         return await asyncio.to_thread(self._locked, worker_id, run)
+
+    async def read_kv(self, hold_id: str, release: bool) -> dict:
+        """A held prompt's KV (`KVHandOff.read`): `{"status": "ok", "k", "v"}`, or
+        `{"status": "gone", "reason"}`, or `{"status": "unknown"}`."""
+        return await self._hold_call(self.backend.handoff.read, hold_id, release)
+
+    async def release_kv(self, hold_id: str, reason: str) -> dict:
+        """Ends a hold (`KVHandOff.release`); the status as `read_kv`'s."""
+        return await self._hold_call(self.backend.handoff.release, hold_id, reason)
+
+    def issue_kv(self, hold_ids: Sequence[str]) -> None:
+        """The holds' ids were answered: preemptable from now on."""
+        self.backend.handoff.issue(hold_ids)
+
+    async def _hold_call(self, fn, hold_id: str, arg) -> dict:
+        from serving.kv_hold import HoldGone
+        try:
+            out = await asyncio.to_thread(fn, hold_id, arg)
+        except HoldGone as e:
+            return {"status": "gone", "reason": e.reason}
+        except KeyError:
+            return {"status": "unknown"}
+        if isinstance(out, tuple):  # read: (k, v, hold)
+            return {"status": "ok", "k": out[0], "v": out[1]}
+        return {"status": "ok"}
+
+    async def _ticks(self, backend) -> None:
+        """The agent's own periodic work while `backend` serves: KV hold expiry."""
+        while self.backend is backend:
+            backend.tick(self._clock())
+            await asyncio.sleep(0.25)
 
     def _locked(self, worker_id: int, fn, *args):
         b = self.backend

@@ -120,6 +120,10 @@ class KVHandOff:
                 pass
         return done
 
+    def issue(self, hold_ids) -> None:
+        """The holds' ids are being answered: preemptable from now on (`KVHolds.issue`)."""
+        self.holds.issue(hold_ids)
+
     def expire(self, now: float) -> int:
         """Releases every hold whose time passed at `now`; returns how many."""
         return self.release_quietly(self.holds.expired(now), "expired")

@@ -20,7 +20,8 @@ How a hold ends, counted per reason in `KVHolds.released`:
             (the oldest hold whose id was already answered goes first; without this a pool full
             of pins would fail every prefill);
   failed    the request failed after its prefill (another prompt of its batch failed), so no
-            decode side ever learns its id.
+            decode side ever learns its id;
+  host_lost the host agent holding it died (multi-host pool, `serving.ray_handoff`).
 A hold on a worker that is split or merged is *offloaded* first: its KV is copied to host memory
 and its blocks released, so the re-carve finds the worker idle (`KVHolds.offloaded` counts them).
 """
@@ -34,7 +35,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-RELEASE_REASONS = ("pulled", "released", "expired", "preempted", "failed")
+RELEASE_REASONS = ("pulled", "released", "expired", "preempted", "failed", "host_lost")
 # Released hold ids remembered for 410 answers.
 RECENT_LIMIT = 4096
 
@@ -187,6 +188,11 @@ class KVHolds:
         with self.lock:
             return sorted((h for h in self._holds.values() if h.worker_id == worker_id
                            and (h.issued or not issued_only)), key=lambda h: h.created)
+
+    def ids(self, where=lambda hold: True) -> list[str]:
+        """Ids of the live holds for which `where(hold)` is true."""
+        with self.lock:
+            return [h.hold_id for h in self._holds.values() if where(h)]
 
     def expired(self, now: float) -> list[str]:
         """Ids of the holds whose time passed at `now` (seconds, the backend's clock)."""

@@ -41,7 +41,7 @@ Labels: M = `model_name`, E = `engine`. Times in seconds, from the request's arr
 | `vertumnus:replications_total`, `vertumnus:reclamations_total` | counter | M | prefix copies / reclamations confirmed |
 | `vertumnus:kv_holds`, `vertumnus:kv_hold_blocks` | gauge | M | P/D hand-off: prompts whose KV is held for a decode side; blocks they pin (`serving.kv_hold`) |
 | `vertumnus:kv_holds_created_total`, `vertumnus:kv_holds_offloaded_total` | counter | M | holds created; holds moved to host memory before a split or merge |
-| `vertumnus:kv_holds_released_total` | counter | M, reason | holds ended: pulled, released, expired, preempted, failed |
+| `vertumnus:kv_holds_released_total` | counter | M, reason | holds ended: pulled, released, expired, preempted, failed, host_lost |
 | `process_*`, `python_*` | | | prometheus-client's process, platform and GC collectors (as vLLM exports) |
 """
 
@@ -184,7 +184,7 @@ def _hold_metrics(handoff, m: str):
                                   "(do_remote_decode requests that finished).",
                                   labels=["model_name"])
     ended = CounterMetricFamily("vertumnus:kv_holds_released", "KV holds ended, by reason: "
-                                "pulled, released, expired, preempted, failed.",
+                                "pulled, released, expired, preempted, failed, host_lost.",
                                 labels=["model_name", "reason"])
     offloaded = CounterMetricFamily("vertumnus:kv_holds_offloaded", "KV holds copied to host "
                                     "memory before their worker was split or merged.",

@@ -27,9 +27,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from serving.kv_hold import KVHolds
 from serving.live_backend import LivePrefill
 from serving.policy.backend import PrefillResult
 from serving.policy.worker import WorkerSpec
+from serving.ray_handoff import RemoteHandOff
 
 _log = logging.getLogger(__name__)
 # Seconds between liveness pings of one host agent, and how long one may take.
@@ -90,18 +92,17 @@ class RayBackend:
       scheduler: set by the owner before the first request.
       workers: worker id -> `RemoteWorker`.
       prefills: request id -> `LivePrefill` (as `LiveBackend`'s).
-      handoff: None (KV holds for a decode side are served by the single-host backend only).
+      handoff: the head's side of KV holds kept on the agents (`serving.ray_handoff`).
       errors: failures of background operations, for logs and tests.
       dispatch_log: the latest prefills' wall-clock `(sent, entered, left, received)` times
         (`time.time()`: the head's call, its arrival in the agent, the agent's return, the
         head's callback), for `serving.bench_hosts`.
     """
 
-    handoff = None
-
     def __init__(self, hosts: Sequence[HostState], specs: Sequence[WorkerSpec], *,
                  devices_per_host: int, post: Callable, clock: Callable[[], float],
-                 kv_blocks_per_device: int, max_input_len: Callable[[int], int]):
+                 kv_blocks_per_device: int, max_input_len: Callable[[int], int],
+                 kv_hold_seconds: float = 60.0):
         import ray  # the multi-host mode's dependency only
         self._ray = ray
         self.hosts = {h.host_id: h for h in hosts}
@@ -114,6 +115,7 @@ class RayBackend:
         self.errors: list[str] = []
         self._running: dict[object, int] = {}  # request id -> worker id, while on an agent
         self.dispatch_log: collections.deque = collections.deque(maxlen=10_000)
+        self.handoff = RemoteHandOff(KVHolds(kv_hold_seconds), self)
         for s in specs:
             self._track(s)
 
@@ -178,6 +180,7 @@ class RayBackend:
         host = self._host_of(worker_id)
         rid = request.request_id
         self._running[rid] = worker_id
+        hold_id = self.handoff.wanted.pop(rid, None)
         sent = time.time()
 
         def finished(out):
@@ -196,13 +199,19 @@ class RayBackend:
             w = self.workers.get(worker_id)
             if w is not None:
                 w.kv_blocks_cached += len(out["inserted"]) - len(out["evicted"])
-            self.prefills[rid] = LivePrefill(worker_id, out["cp_degree"], tuple(
-                host.host_id * self.devices_per_host + d for d in out["device_ids"]),
-                out["block_ids"], request.block_size, out["num_tokens"])
+            devices = tuple(host.host_id * self.devices_per_host + d for d in out["device_ids"])
+            held = out.get("hold_id")
+            if held is not None and not self.handoff.pinned(held, worker_id, out, devices,
+                                                            request.block_size, t):
+                held = None
+            self.prefills[rid] = LivePrefill(worker_id, out["cp_degree"], devices,
+                                             out["block_ids"], request.block_size,
+                                             out["num_tokens"], held)
             self.scheduler.complete(worker_id, rid, t, PrefillResult(
                 out["cached_len"], t, t, out["inserted"], out["evicted"], out["first_token"]))
 
-        self._then(host.agent.prefill.remote(worker_id, request), [host], finished, "prefill")
+        self._then(host.agent.prefill.remote(worker_id, request, hold_id), [host], finished,
+                   "prefill")
 
     def recarve(self, reconfiguration, now: float) -> None:
         rec = reconfiguration
@@ -301,6 +310,7 @@ class RayBackend:
         host.worker_ids.clear()
         for wid in gone:
             self.workers.pop(wid, None)
+        self.handoff.host_lost(host_id)
         if lost:
             self.scheduler.lose_workers(lost, self._clock(),
                                         f"host {host_id} was lost ({reason})")
@@ -308,6 +318,7 @@ class RayBackend:
     def tick(self, now: float) -> None:
         """Pings every host agent (one ping in flight per host): a dead one is lost; a dead one
         that answers again (restarted by Ray, bare) is set up anew and rejoins."""
+        self.handoff.expire(now)
         for host in self.hosts.values():
             if host.ping_in_flight and host.state == "alive" and \
                     now - host.last_ping > PING_TIMEOUT:  # a hung agent is as good as dead

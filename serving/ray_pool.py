@@ -185,7 +185,8 @@ def build_ray_engine(config, hosts: HostsConfig):
     def make_backend(post, clock):
         return RayBackend(states, specs, devices_per_host=m, post=post, clock=clock,
                           kv_blocks_per_device=ecfg.kv_blocks_per_device,
-                          max_input_len=ecfg.max_input_len)
+                          max_input_len=ecfg.max_input_len,
+                          kv_hold_seconds=ecfg.kv_hold_seconds)
 
     router = router_from_spec(config.router) if config.router else None
     engine = Engine(ecfg, make_backend, specs, cost_model, n_hosts * m,

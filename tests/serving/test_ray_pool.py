@@ -114,6 +114,39 @@ def test_prefix_copied_across_hosts_is_a_hit_there(pool, greedy):
     assert body["choices"][0]["token_ids"] == [greedy(prompt)]
 
 
+def test_kv_held_on_a_host_agent_is_pulled_through_the_head(pool):
+    from serving.kv_format import load_kv
+    client, engine = pool
+    model = init_model(ModelConfig.tiny(), seed=0)
+    workers = _workers(client)
+    wid = max(w for w in workers if workers[w]["host"] == 1)
+    proxy_kv = {"do_remote_decode": True, "do_remote_prefill": False,
+                "remote_engine_id": None, "remote_block_ids": None}
+    DegreeRouter.worker_id = wid
+    try:
+        prompts = [_prompt(500, 45), _prompt(501, 30)]
+        r = client.post("/v1/completions", headers={"X-Request-Id": "ray-pd"},
+                        json={"prompt": prompts, "kv_transfer_params": proxy_kv})
+    finally:
+        DegreeRouter.worker_id = None
+    assert r.status_code == 200, r.text
+    kvs = [c["kv_transfer_params"] for c in r.json()["choices"]]
+    assert [kv["remote_request_id"] for kv in kvs] == ["cmpl-ray-pd-0", "cmpl-ray-pd-1"]
+    assert kvs[0]["num_tokens"] == 45 and len(kvs[0]["remote_block_ids"]) == 3
+    assert all(d // 4 == 1 for d in kvs[0]["remote_device_ids"])  # on host 1's devices
+    pulled = client.get("/v1/kv/cmpl-ray-pd-0")
+    assert pulled.status_code == 200, pulled.text
+    k, v, meta = load_kv(pulled.content)
+    _, k_ref, v_ref = full_prefill(model, np.asarray(prompts[0], np.int32))
+    np.testing.assert_allclose(k, np.asarray(k_ref), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(v, np.asarray(v_ref), atol=1e-5, rtol=0)
+    gone = client.get("/v1/kv/cmpl-ray-pd-0")
+    assert gone.status_code == 410 and "pulled" in gone.json()["error"]["message"]
+    assert client.delete("/v1/kv/cmpl-ray-pd-1").status_code == 200
+    assert client.get("/v1/kv/cmpl-ray-pd-1").status_code == 410
+    assert len(engine.backend.handoff.holds) == 0
+
+
 def test_host_death_under_load_loses_nothing(pool, greedy):
     client, engine = pool
     hosts = client.get("/v1/hosts").json()["hosts"]
