@@ -72,8 +72,7 @@ class LocalPrefixCache:
             for h in evicted:
                 del lru[h]
             return evicted
-        for h in evicted:  # inline of `_forget`
-            parent = lru.pop(h)
+        for parent in [lru.pop(h) for h in evicted]:  # inline of `_forget`
             if parent is not None:
                 c = children[parent] - 1
                 if c:

@@ -107,10 +107,11 @@ class PrefixCacheManager:
         replicas = {c: trie.replica_counts(tips, c) for c in degrees}  # ReplicaCount(z, C)
         access, missed, none = trie.access.get, trie.missed.get, {}
         min_missed, high, low = cfg.min_missed_tokens, cfg.intra_high, cfg.reclaim_low
+        per_degree = [(c, replicas[c].get) for c in degrees]
         for tip in tips:
             acc, miss = access(tip, none), missed(tip, none)
-            for c in degrees:
-                r = replicas[c].get(tip, 0)
+            for c, replica in per_degree:
+                r = replica(tip, 0)
                 a = acc.get(c, 0.0)
                 m = miss.get(c, 0.0)
                 if r == 0 and m > 0 and m >= min_missed:

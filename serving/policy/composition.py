@@ -322,10 +322,10 @@ def _load(degrees: Sequence[int], window: Window) -> float:
     any of its degrees needs, summed, over (the window's span x its GPUs); above 1 the queues
     grow whatever the placement."""
     span = max(window.arrivals[-1] - window.arrivals[0], 1.0) if window.arrivals else 1.0
-    kinds = sorted(set(degrees))
+    cols = [(c, window.seconds[c]) for c in sorted(set(degrees))]
     work = 0.0
     for i in range(len(window.arrivals)):
-        need = [c * window.seconds[c][i] for c in kinds if window.seconds[c][i] is not None]
+        need = [c * s[i] for c, s in cols if s[i] is not None]
         work += min(need) if need else 0.0
     return work / (span * sum(degrees))
 

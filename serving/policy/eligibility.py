@@ -15,7 +15,7 @@ from serving.policy.worker import WorkerState, WorkerStatus
 
 def eligible_workers(workers: Iterable[WorkerState], index: PrefixIndex,
                      pending: PendingPrefixes | None, request: Request, with_global: bool
-                     ) -> tuple[list[WorkerState], list[int], int]:
+                     ) -> tuple[list[WorkerState], list[int], int, list[int]]:
     """ACTIVE workers able to hold `request`, each one's matched leading blocks, and the
     request's global match.
 
@@ -28,20 +28,19 @@ def eligible_workers(workers: Iterable[WorkerState], index: PrefixIndex,
         (`PrefixIndex.global_match_blocks`, one pass over the index); else 0.
 
     Returns:
-      `(candidates, matched blocks per candidate, global blocks)`; `([], [], 0)` when no ACTIVE
-      worker has `max_input_len >= input_len` and enough KV blocks.
+      `(candidates, matched blocks per candidate, global blocks, cached blocks per candidate)`,
+      the last without `pending`'s promises (the same list as the second when `pending` is
+      None); `([], [], 0, [])` when no ACTIVE worker has `max_input_len >= input_len` and
+      enough KV blocks.
     """
     n = request.input_len
     need = -(-n // request.block_size)
     active = WorkerStatus.ACTIVE
-    candidates, ids = [], []
-    for w in workers:
-        spec = w.spec
-        if w.status is active and n <= spec.max_input_len and need <= spec.kv_capacity_blocks:
-            candidates.append(w)
-            ids.append(spec.worker_id)
+    candidates = [w for w in workers if w.status is active and n <= w.spec.max_input_len
+                  and need <= w.spec.kv_capacity_blocks]
+    ids = [w.spec.worker_id for w in candidates]
     if not candidates:
-        return candidates, [], 0
+        return candidates, [], 0, []
     hashes, limit = request.block_hashes, (n - 1) // request.block_size  # max_cacheable_blocks
     if not with_global:
         matched, global_blocks = index.match_blocks(hashes, limit, ids), 0
@@ -50,6 +49,6 @@ def eligible_workers(workers: Iterable[WorkerState], index: PrefixIndex,
     else:
         matched = index.match_blocks(hashes, limit, ids)
         global_blocks = index.global_match_blocks(hashes, limit)
-    if pending is not None:
-        matched = pending.extend_matches(hashes, limit, ids, matched)
-    return candidates, matched, global_blocks
+    if pending is None:
+        return candidates, matched, global_blocks, matched
+    return candidates, pending.extend_matches(hashes, limit, ids, matched), global_blocks, matched

@@ -32,12 +32,15 @@ scheduler reserves the local-prefix estimate `T(C_w, L_r, h_w)`, not `S_w`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.replication import (SCALEOUT_GB_PER_S, FetchOnDispatch, check_transfer_args,
                                         copy_seconds)
 from serving.policy.request import Request
 from serving.policy.worker import WorkerState
+
+_INF = float("inf")
 
 
 class FetchingVertumnusRouter(VertumnusRouter):
@@ -87,44 +90,66 @@ class FetchingVertumnusRouter(VertumnusRouter):
         source candidate, leading blocks of the request the source holds); the last two are -1
         and 0 when the plan copies nothing.
         """
+        costs, st = self._price(request, candidates, matched_blocks, now)
+        return [(cost, p[1], p[2], p[3]) for cost, p in zip(costs, st)]
+
+    def _price(self, request: Request, candidates: Sequence[WorkerState],
+               matched_blocks: Sequence[int], now: float
+               ) -> tuple[list[float], list[tuple[float, int, int, int, float]]]:
+        """`plans` as two lists: the costs, and per candidate (S_w, blocks copied, source
+        index, blocks fetched, C_w * S_w)."""
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
         cached = self._cached_blocks(request, candidates)
-        sources: dict[int, tuple[int, int]] = {}  # host -> (its longest run, first holder)
-        for i, (w, c) in enumerate(zip(candidates, cached)):
-            h = w.spec.host
-            if c and c > sources.get(h, (0, -1))[0]:
-                sources[h] = (c, i)
         best = max(cached, default=0)
+        sources: dict[int, tuple[int, int]] = {}  # host -> (its longest run, first holder)
+        if best:
+            for i, (w, c) in enumerate(zip(candidates, cached)):
+                if c and c > sources.get(w.spec.host, (0, -1))[0]:
+                    sources[w.spec.host] = (c, i)
+        # `transfer_seconds` inlined (hot path): copy_seconds' formula, one divisor per link
+        kv, near, far = self.kv_bytes_per_token, self.transfer_gb_per_s, self.scaleout_gb_per_s
+        near, far = (near * 1e9 if near > 0 else 0.0), (far * 1e9 if far > 0 else 0.0)
+        beta = self.beta
         memo: dict[tuple[int, int], float] = {}  # (C, blocks cached) -> T(C, L, blocks * B)
-        st = []  # (S_w, blocks copied, source index, blocks fetched)
+        # A plan depends only on (C_w, h_w, c_w, host): most candidates share one (a common
+        # prefix cached everywhere), so each distinct plan is priced once.
+        plan_of: dict[tuple[int, int, int, int], tuple[float, int, int, int, float]] = {}
+        st = []  # per candidate (S_w, blocks copied, source index, blocks fetched, C_w * S_w)
+        part = []  # per candidate Q_w + beta * S_w, the cost's first terms
         for w, m, c in zip(candidates, matched_blocks, cached):
-            deg = w.spec.cp_degree
-            t = memo.get((deg, m))
-            if t is None:
-                t = memo[(deg, m)] = predict(deg, n, m * bs)
-            plan = (t, 0, -1, 0)
-            if best > m:
-                for h, (run, i) in sources.items():
-                    if run <= m:
-                        continue
-                    tb = memo.get((deg, run))
-                    if tb is None:
-                        tb = memo[(deg, run)] = predict(deg, n, run * bs)
-                    fetch = self.transfer_seconds(run - c, bs, h != w.spec.host) + tb
-                    if fetch < plan[0] or (fetch == plan[0] and plan[1] and run - c < plan[1]):
-                        plan = (fetch, run - c, i, run)
+            spec = w.spec
+            deg, host = spec.cp_degree, spec.host
+            plan = plan_of.get((deg, m, c, host))
+            if plan is None:
+                t = memo.get((deg, m))
+                if t is None:
+                    t = memo[(deg, m)] = predict(deg, n, m * bs)
+                copied, src, fetched = 0, -1, 0
+                if best > m:
+                    for h, (run, i) in sources.items():
+                        if run <= m:
+                            continue
+                        tb = memo.get((deg, run))
+                        if tb is None:
+                            tb = memo[(deg, run)] = predict(deg, n, run * bs)
+                        bw = near if h == host else far
+                        fetch = ((run - c) * bs * kv / bw if bw else 0.0) + tb
+                        if fetch < t or (fetch == t and copied and run - c < copied):
+                            t, copied, src, fetched = fetch, run - c, i, run
+                plan = plan_of[(deg, m, c, host)] = (t, copied, src, fetched, deg * t)
             st.append(plan)
-        cheapest = min(w.spec.cp_degree * p[0] for w, p in zip(candidates, st))
-        beta, lam = self.beta, self.lam
-        out = []
-        for w, (t, copied, src, run) in zip(candidates, st):
             q = w.queued_seconds  # inline of WorkerState.outstanding_seconds (hot path)
             if w.running is not None:
                 r = w.running_estimate - (now - w.running_start)
                 if r > 0:
                     q += r
-            out.append((q + beta * t + lam * (w.spec.cp_degree * t - cheapest), copied, src, run))
-        return out
+            part.append(q + beta * plan[0])
+        # (the minimum over the candidates: each one's plan is one of these, first seen first)
+        cheapest = min(p[4] for p in plan_of.values())
+        lam = self.lam
+        # Q_w + beta * S_w + lam * (C_w * S_w - cheapest), added in that order
+        costs = [a + lam * (p[4] - cheapest) for a, p in zip(part, st)]
+        return costs, st
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],
               matched_blocks: Sequence[int], now: float) -> list[float]:
@@ -139,19 +164,31 @@ class FetchingVertumnusRouter(VertumnusRouter):
         Raises:
           ValueError: no candidate has a finite cost.
         """
-        plans = self.plans(request, candidates, matched_blocks, now)
-        k = len(plans)
+        costs, st = self._price(request, candidates, matched_blocks, now)
+        k = len(costs)
         start = self._rotation % k
         self._rotation += 1
-        best, best_key = -1, (float("inf"), 0)
-        for i in (*range(start, k), *range(start)):
-            key = plans[i][:2]
-            if key < best_key:
-                best, best_key = i, key
+        # The first, from `start` on (cyclic), of the least (cost, copied) among the costs that
+        # are not NaN. `min` gives the least cost unless costs[0] is NaN; else, and when no
+        # cost is finite, the loop compares pairs one by one.
+        least = min(costs)
+        if least < _INF and costs.count(least) == 1:
+            best = costs.index(least)
+        elif least < _INF:
+            ties = [i for i, cost in enumerate(costs) if cost == least]
+            fewest = min(st[i][1] for i in ties)
+            ties = [i for i in ties if st[i][1] == fewest]
+            best = next((i for i in ties if i >= start), ties[0])
+        else:
+            best, best_cost, best_copied = -1, _INF, 0
+            for i in chain(range(start, k), range(start)):
+                cost, copied = costs[i], st[i][1]
+                if cost < best_cost or (cost == best_cost and copied < best_copied):
+                    best, best_cost, best_copied = i, cost, copied
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: "
-                             f"{[p[0] for p in plans]}")
-        _, copied, _, length = plans[best]
+                             f"{costs}")
+        _, copied, _, length, _ = st[best]
         if copied:
             self.fetches.plan(request, candidates[best].spec.worker_id, length)
         return best
@@ -160,6 +197,9 @@ class FetchingVertumnusRouter(VertumnusRouter):
         """Per candidate, the leading blocks of `request` it has cached now (no promises)."""
         if self._scheduler is None:
             return [0] * len(candidates)
+        routing = getattr(self._scheduler, "routing", None)
+        if routing is not None and routing[0] is request and routing[1] is candidates:
+            return routing[2]  # the scheduler's own match, while it routes this request
         limit = (request.input_len - 1) // request.block_size  # max_cacheable_blocks
         return self._scheduler.prefix_index.match_blocks(
             request.block_hashes, limit, [w.spec.worker_id for w in candidates])

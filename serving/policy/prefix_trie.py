@@ -148,4 +148,4 @@ class GlobalPrefixTrie(PrefixIndex):
 
     def tips(self) -> list[int]:
         """Nodes with demand statistics (the cache manager's scan set), in a stable order."""
-        return sorted(set(self.access) | set(self.missed))
+        return sorted(self.access.keys() | self.missed.keys())

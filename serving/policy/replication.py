@@ -200,8 +200,9 @@ class PrefixCopies:
             return None
         workers = self._workers
         host = workers[dst].spec.host if dst in workers else None
-        src = min((w for w, h in zip(others, held[1:]) if h == best),
-                  key=lambda w: (workers[w].spec.host != host, w))
+        holders = [w for w, h in zip(others, held[1:]) if h == best]
+        src = holders[0] if len(holders) == 1 else min(
+            holders, key=lambda w: (workers[w].spec.host != host, w))
         try:
             return self.begin(src, dst, request.block_hashes[:best], request.block_size, now,
                               reason="request-transfer", request_id=request.request_id)

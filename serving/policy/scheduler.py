@@ -72,8 +72,7 @@ class Scheduler:
         ids = [w.worker_id for w in workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids must be unique, got {ids}")
-        self.cost_model, self.router = cost_model, router
-        self._backend = backend
+        self.cost_model, self.router, self._backend = cost_model, router, backend
         self.listener = listener or (lambda record: None)
         self._prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         # Blocks promised by queued and running prefills, for routers that ask for them.
@@ -97,6 +96,8 @@ class Scheduler:
         self._placements: dict[str | int, _Placement] = {}
         self._pending: deque[Request] = deque()
         self.num_submitted = self.num_completed = self.num_failed = self.num_aborted = 0
+        # While the router chooses: (request, candidates, their cached blocks without promises)
+        self.routing: tuple[Request, list[WorkerState], list[int]] | None = None
         bind = getattr(router, "bind", None)
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
@@ -105,8 +106,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- queries
     @property
     def workers(self) -> dict[int, WorkerState]:
-        """The pool's workers by id (the scheduler changes it; the dict itself stays, as
-        `copies` and the backends hold it)."""
+        """The pool's workers by id (changed in place: `copies` and the backends hold it)."""
         return self._workers
 
     @property
@@ -125,10 +125,8 @@ class Scheduler:
         return self.num_submitted - self.num_completed - self.num_failed - self.num_aborted
 
     def eligible(self, request: Request) -> tuple[list[WorkerState], list[int]]:
-        """ACTIVE workers able to hold `request`, and per worker its matched leading blocks.
-
-        A cache miss never excludes a worker; only status, length and KV capacity do.
-        """
+        """ACTIVE workers able to hold `request`, and per worker its matched leading blocks (a
+        cache miss never excludes a worker; only status, length and KV capacity do)."""
         return eligible_workers(self.workers.values(), self.prefix_index,
                                 self.pending if self._use_pending else None, request, False)[:2]
 
@@ -166,7 +164,7 @@ class Scheduler:
         if worker_id in self.membership.lost:
             return
         worker, placement, request = self._take_running(worker_id, request_id)
-        index = self.prefix_index
+        index = self._prefix_index
         if result.evicted_blocks:
             index.evict(worker_id, result.evicted_blocks)
         if result.inserted_blocks:
@@ -182,12 +180,12 @@ class Scheduler:
     def kv_events(self, worker_id: int, inserted: Sequence[int], evicted: Sequence[int]) -> None:
         """A worker's prefix cache changed outside a completion (e.g. blocks evicted to make room
         when a prefill starts): applies the events to the prefix index, evictions first."""
-        if worker_id not in self.workers:
+        if worker_id not in self._workers:
             return  # the worker left the pool; its blocks went with it
         if evicted:
-            self.prefix_index.evict(worker_id, evicted)
+            self._prefix_index.evict(worker_id, evicted)
         if inserted:
-            self.prefix_index.insert(worker_id, inserted)
+            self._prefix_index.insert(worker_id, inserted)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
         """The backend could not prefill `request_id` on `worker_id`; the request fails (a late
@@ -324,21 +322,22 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
-        record = self._record
-        candidates, matched, global_blocks = eligible_workers(
-            self.workers.values(), self.prefix_index, self.pending if self._use_pending else None,
+        record, workers = self._record, self._workers
+        candidates, matched, global_blocks, cached = eligible_workers(
+            workers.values(), self._prefix_index, self.pending if self._use_pending else None,
             request, record is not None)
         if not candidates:
-            if any(w.can_hold(request) for w in self.workers.values()) or \
+            if any(w.can_hold(request) for w in workers.values()) or \
                     self.reconfig.will_hold(request):
                 self._pending.append(request)  # a draining worker or one being re-carved
                 return None
-            largest = max((w.spec.max_input_len for w in self.workers.values()), default=0)
+            largest = max((w.spec.max_input_len for w in workers.values()), default=0)
             self._fail_unplaced(request, now, (
                 f"input_len={request.input_len} tokens cannot be held by any worker "
                 f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
             return None
-        i = self.router.choose(request, candidates, matched, now)
+        self.routing = (request, candidates, cached)  # for the router, during `choose` only
+        i, self.routing = self.router.choose(request, candidates, matched, now), None
         worker = candidates[i]
         spec, bs, m = worker.spec, request.block_size, matched[i]
         cached = m * bs
@@ -370,11 +369,11 @@ class Scheduler:
         if self.dispatch_hooks:
             for hook in self.dispatch_hooks:
                 hook(request, worker.spec.worker_id, now)
-        self.backend.start_prefill(worker.spec.worker_id, request, now)
+        self._backend.start_prefill(worker.spec.worker_id, request, now)
 
     def _take_running(self, worker_id: int,
                       request_id: str | int) -> tuple[WorkerState, _Placement, Request]:
-        worker = self.workers.get(worker_id)
+        worker = self._workers.get(worker_id)
         if worker is None or worker.running is None or worker.running.request_id != request_id:
             raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
         request = worker.running

@@ -106,23 +106,24 @@ def replay_ttft(degrees: Sequence[int], window: Window, lam: float = 1.0,
         heaps.setdefault(c, []).append(f)
     for h in heaps.values():
         heapq.heapify(h)
-    kinds = sorted(heaps)
+    per = [(c, window.seconds[c], heaps[c]) for c in sorted(heaps)]  # (hot loop below)
+    cheapest, heapreplace, inf = window.cheapest, heapq.heapreplace, math.inf
     total, served, unheld = 0.0, 0, 0
     for i, t in enumerate(window.arrivals):
-        best_c, best_cost, best_ttft = 0, math.inf, 0.0
-        for c in kinds:
-            s = window.seconds[c][i]
+        best_heap, best_cost, best_ttft = None, inf, 0.0
+        for c, seconds, heap in per:
+            s = seconds[i]
             if s is None:
                 continue
-            wait = heaps[c][0] - t
+            wait = heap[0] - t
             ttft = (wait if wait > 0 else 0.0) + s
-            cost = ttft + lam * (c * s - window.cheapest[i])
+            cost = ttft + lam * (c * s - cheapest[i])
             if cost < best_cost:
-                best_c, best_cost, best_ttft = c, cost, ttft
-        if not best_c:
+                best_heap, best_cost, best_ttft = heap, cost, ttft
+        if best_heap is None:
             unheld += 1
             continue
-        heapq.heapreplace(heaps[best_c], t + best_ttft)
+        heapreplace(best_heap, t + best_ttft)
         total += best_ttft
         served += 1
     return (total / served if served else 0.0), unheld
