@@ -216,7 +216,8 @@ class Engine(EngineAdmin):
 
     @property
     def handoff(self):
-        """The backend's KV holds (`serving.kv_handoff.KVHandOff`), or None when the backend
+        """The backend's KV holds (`serving.kv_handoff.KVHandOff`, or the multi-host
+        `serving.ray_handoff.RemoteHandOff`), or None when the backend
         cannot hold KV for a decode side."""
         return getattr(self.backend, "handoff", None)
 
