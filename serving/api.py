@@ -302,6 +302,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                 token_lists, disconnected=lambda: _disconnected(request.receive),
                 hold_ids=holds)
         except HoldExists as e:
+            metrics.rejected.labels("kv_hold_conflict").inc(len(token_lists))
             raise ApiError(409, str(e), "X-Request-Id", "conflict_error") from None
         except Overloaded as e:
             metrics.rejected.labels("overloaded").inc(len(token_lists))
@@ -329,7 +330,8 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     add_kv_routes(app, engine=engine, model_name=names[0], error=ApiError)
     add_token_routes(app, tokenizer=tokenizer, vocab_size=vocab_size,
                      max_model_len=engine.max_prompt_len, check_model=check_model,
-                     error=ApiError)
+                     error=ApiError, chat_ids=lambda messages, generation, special:
+                     chat_prompt_ids(template, tokenizer, messages, generation, special))
     return app
 
 

@@ -132,7 +132,7 @@ class ChatTemplate:
 
 
 def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: list[dict],
-                    add_generation_prompt: bool) -> list[int]:
+                    add_generation_prompt: bool, add_special_tokens: bool = False) -> list[int]:
     """The prompt token ids of `messages`, as `apply_chat_template(tokenize=True)`: rendered with
     the tokenizer's special tokens, then encoded with `add_special_tokens=False` (the template
     writes the BOS it wants; the tokenizer adds none).
@@ -142,6 +142,8 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: list[dict],
       tokenizer: `serving.tokenizer`'s (`special_tokens`, `encode(text, add_special_tokens)`).
       messages: the conversation, each `{"role", "content"}`.
       add_generation_prompt: end with the assistant's header.
+      add_special_tokens: let the tokenizer add its special tokens too (vLLM's `/tokenize`
+        option; a chat request never does).
 
     Raises:
       ValueError: the template raised, or the rendered text is not valid Unicode (a
@@ -149,7 +151,7 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: list[dict],
     """
     text = template.render(messages, add_generation_prompt,
                            getattr(tokenizer, "special_tokens", None))
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _raise(message: str):

@@ -2,7 +2,10 @@
 
 Bodies and answers follow vLLM's OpenAI server (`vllm/entrypoints/openai/api_server.py`):
 `/tokenize` takes `{"model"?, "prompt", "add_special_tokens"?}` (default true: the BOS the
-tokenizer adds, as for a completion) and answers `{"count", "max_model_len", "tokens"}`;
+tokenizer adds, as for a completion), or vLLM's chat form `{"model"?, "messages",
+"add_generation_prompt"?}` (the chat template rendered as `/v1/chat/completions` renders it, so
+the ids are exactly the prompt a chat request prefills; `add_special_tokens` default false), and
+answers `{"count", "max_model_len", "tokens"}`;
 `/detokenize` takes `{"model"?, "tokens"}` and answers `{"prompt"}`; `/version` answers
 `{"version"}` (this package's version).
 """
@@ -13,16 +16,26 @@ import importlib.metadata
 from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+
+from serving.api_chat import ChatMessage
 
 
 class TokenizeRequest(BaseModel):
-    """`POST /tokenize`: text to token ids."""
+    """`POST /tokenize`: text (`prompt`) or a conversation (`messages`) to token ids."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    prompt: str
-    add_special_tokens: StrictBool = True
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 class DetokenizeRequest(BaseModel):
@@ -43,7 +56,9 @@ def package_version() -> str:
 
 def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len: int,
                      check_model: Callable[[str | None], None],
-                     error: Callable[[int, str, str], Exception]) -> None:
+                     error: Callable[[int, str, str], Exception],
+                     chat_ids: Callable[[list[dict], bool, bool], list[int]] | None = None
+                     ) -> None:
     """Adds `/tokenize`, `/detokenize` and `/version` to `app`.
 
     Args:
@@ -53,13 +68,28 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
       max_model_len: reported by `/tokenize` (tokens).
       check_model: raises the API's 404 for a `model` the server does not serve.
       error: `(status, message, param) -> exception` the app answers with OpenAI's error body.
+      chat_ids: `(messages, add_generation_prompt, add_special_tokens) -> ids` of the chat
+        endpoint
+        (`serving.api_chat.chat_prompt_ids` with the server's template); without it `messages`
+        is a 400.
     """
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
+        if body.messages is not None:
+            if chat_ids is None:
+                raise error(400, "this server has no chat template", "messages")
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ids = chat_ids(messages, body.add_generation_prompt,
+                               bool(body.add_special_tokens))  # vLLM's chat default: false
+            except ValueError as e:  # a bad content part, the template, invalid Unicode
+                raise error(400, str(e), "messages") from None
+            return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         try:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tokenizer.encode(body.prompt, add_special_tokens=special)
         except UnicodeError as e:
             raise error(400, f"prompt is not valid Unicode text ({e})", "prompt") from None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

@@ -30,7 +30,7 @@ Labels: M = `model_name`, E = `engine`. Times in seconds, from the request's arr
 | `vertumnus:kv_cache_usage_perc` | gauge | M, E | KV blocks held by the prefix caches / all KV blocks of the pool, in [0, 1] |
 | `vertumnus:request_failure_total` | counter | M | failed prefills (HTTP 500) |
 | `vertumnus:request_aborted_total` | counter | M, reason | requests withdrawn before they started: `client_disconnected` |
-| `vertumnus:request_rejected_total` | counter | M, reason | prompts refused: `overloaded` (429), `shutting_down` (503, at admission or at the shutdown deadline), `no_worker_fits` (503) (a batch counts each prompt); HTTP requests refused: `body_too_large` (413), `body_timeout` (408) |
+| `vertumnus:request_rejected_total` | counter | M, reason | prompts refused: `overloaded` (429), `shutting_down` (503, at admission or at the shutdown deadline), `no_worker_fits` (503) (a batch counts each prompt); HTTP requests refused: `body_too_large` (413), `body_timeout` (408), `unauthorized` (401), `forbidden` (403); `kv_hold_conflict` (409, a reused request id whose KV is still held) |
 | `vertumnus:worker_num_requests_running`, `..._waiting` | gauge | M, worker_id, cp_degree | per worker |
 | `vertumnus:worker_kv_cache_usage_perc`, `vertumnus:worker_kv_cache_usage_blocks` | gauge | M, worker_id, cp_degree | per worker: fraction in [0, 1], blocks |
 | `vertumnus:worker_epoch` | gauge | M, worker_id, cp_degree, status | epoch a worker was created under |
@@ -66,7 +66,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ENGINE = "0"  # vLLM's `engine` label: the index of the engine core; the pool has one scheduler
 FINISHED_REASON = "length"  # every answer ends after its first token (max_tokens=1)
 REJECT_REASONS = ("overloaded", "shutting_down", "no_worker_fits", "body_too_large",
-                  "body_timeout", "unauthorized", "forbidden")
+                  "body_timeout", "unauthorized", "forbidden", "kv_hold_conflict")
 ABORT_REASONS = ("client_disconnected",)
 
 
@@ -262,7 +262,7 @@ class ServingMetrics:
             "vertumnus:request_rejected", "Prompts refused: overloaded (429), shutting_down "
             "(503 at admission or at the shutdown deadline), no_worker_fits (503); HTTP "
             "requests refused: body_too_large (413), body_timeout (408), unauthorized (401), "
-            "forbidden (403).",
+            "forbidden (403); kv_hold_conflict (409: the request id's KV is still held).",
             ["model_name", "reason"], registry=r), model_name)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)

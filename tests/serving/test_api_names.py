@@ -50,6 +50,29 @@ def test_tokenize_detokenize_version():
         assert c.get("/version").json() == {"version": importlib.metadata.version("vertumnus-jax")}
 
 
+
+def test_tokenize_chat_messages_gives_the_chat_prompt():
+    from serving.api_chat import CHATML_TEMPLATE
+    c, _ = make_client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+            "<|im_start|>assistant\n")  # ChatML by hand (CHATML_TEMPLATE)
+    assert "im_start" in CHATML_TEMPLATE
+    with c:
+        r = c.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == list(text.encode())  # the byte tokenizer of the app
+        chat = c.post("/v1/chat/completions", json={"messages": messages}).json()
+        assert chat["usage"]["prompt_tokens"] == r.json()["count"]  # what a chat prefills
+        bare = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
+        assert bare.json()["tokens"] == list(text.removesuffix("<|im_start|>assistant\n").encode())
+        both = c.post("/tokenize", json={"prompt": "a", "messages": messages})
+        assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+        bad = c.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
 def _events(text: str) -> list:
     out = []
     for block in text.split("\n\n"):

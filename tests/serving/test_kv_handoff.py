@@ -138,6 +138,7 @@ def test_release_and_errors(server):
     reused = client.post("/v1/completions", headers={"X-Request-Id": "batch"}, json={
         "prompt": _prompt(32, 20), "kv_transfer_params": PROXY_KV})
     assert reused.status_code == 409, reused.text  # "cmpl-batch-0" is still held
+    assert 'reason="kv_hold_conflict"} 1.0' in client.get("/metrics").text
     for hold_id in ids:
         r = client.delete(f"/v1/kv/{hold_id}")
         assert r.status_code == 200 and r.json()["released"] is True

@@ -51,7 +51,7 @@ def test_each_ending_counted_once_under_its_reason():
                 if k[0] == "vertumnus:request_rejected_total"}
     assert rejected == {"overloaded": 3, "shutting_down": 0, "no_worker_fits": 1,
                         "body_too_large": 0, "body_timeout": 0, "unauthorized": 0,
-                        "forbidden": 0}
+                        "forbidden": 0, "kv_hold_conflict": 0}
     assert s[("vertumnus:request_failure_total", (("model_name", "m"),))] == 1
     # the pool-wide gauges exist before the engine starts (vLLM dashboards find them)
     for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
