@@ -111,6 +111,7 @@ def _copy_bench(engine, copies: int, tokens: int) -> dict:
     from serving.policy.replication import Replication
     from serving.policy.request import Request, prompt_block_hashes
     from vertumnus_jax import ModelConfig
+    from vertumnus_jax.kv_move import block_bytes
 
     backend = engine.backend
     h0, h1 = backend.hosts[0], backend.hosts[1]
@@ -121,8 +122,7 @@ def _copy_bench(engine, copies: int, tokens: int) -> dict:
     out = ray.get(h0.agent.prefill.remote(w0a, Request("copy-src", 0.0, tokens, 1, chain, BS,
                                                        None, token_ids=toks)))
     assert out["ok"], out
-    cfg = ModelConfig.tiny()
-    nbytes = len(chain) * 2 * cfg.num_layers * BS * cfg.num_kv_heads * cfg.head_dim * 4
+    nbytes = len(chain) * block_bytes(ModelConfig.tiny(), BS)
     result = {"blocks": len(chain), "bytes": nbytes}
     for kind in ("cross_host_object_store", "same_host_device_put"):
         times = []

@@ -45,9 +45,9 @@ class Engine(EngineAdmin):
 
     Args:
       config: `EngineConfig`.
-      make_backend: `(post, clock) -> LiveBackend` (or any `Backend` exposing `workers`,
-        `prefills` and `shutdown`, whose workers have `cache`, `retired`, `device_ids` and
-        `executables` as `vertumnus_jax.Worker`); called by `start()`.
+      make_backend: `(post, clock) -> LiveBackend` (or any `Backend` exposing `prefills`,
+        `describe_worker`, `reset_prefix_cache` and `shutdown`, e.g. the multi-host
+        `RayBackend`); called by `start()`.
       workers: the initial `WorkerSpec`s (their ids and devices match the backend's pool).
       cost_model: the router's prefill-time estimate (`PrefillCostModel`).
       num_devices: devices of the pool (the controller's capacity).

@@ -100,17 +100,12 @@ class EngineAdmin:
         cached-prefix bucket; a new one compiles on first use, seconds on a CPU, or loads from
         the persistent compilation cache)."""
         out = []
-        describe = getattr(self.backend, "describe_worker", None)  # a remote backend's view
         for w in sorted(self.scheduler.workers.values(), key=lambda w: w.spec.first_device):
-            if describe is not None:
-                view = describe(w.worker_id) or {}
-                cached = view.get("kv_blocks_cached", 0)
-                compiled = view.get("prefill_executables", 0)
-            else:
-                cached, compiled = self._local_view(w.worker_id)
+            view = self.backend.describe_worker(w.worker_id) or {}  # None: being re-carved
+            cached = view.get("kv_blocks_cached", 0)
+            compiled = view.get("prefill_executables", 0)
             out.append({
-                "worker_id": w.worker_id, "cp_degree": w.cp_degree,
-                "host": getattr(w.spec, "host", 0),
+                "worker_id": w.worker_id, "cp_degree": w.cp_degree, "host": w.spec.host,
                 "first_device": w.spec.first_device, "epoch": w.epoch,
                 "status": w.status.name.lower(), "queued_requests": len(w.queue),
                 "running": w.running is not None,
@@ -118,11 +113,3 @@ class EngineAdmin:
                 "kv_blocks_cached": cached, "kv_blocks_total": w.spec.kv_capacity_blocks,
                 "prefill_executables": compiled})
         return out
-
-    def _local_view(self, worker_id: int) -> tuple[int, int]:
-        """(cached blocks, prefill executables for its devices) of an in-process worker."""
-        live = self.backend.workers.get(worker_id)
-        if live is None or live.retired is not None:
-            return 0, 0  # re-carved on the recarve thread, replaced when `finish` runs
-        devices = live.device_ids  # list(): a prefill thread may add one meanwhile
-        return len(live.cache), sum(1 for key in list(live.executables) if key[0] == devices)

@@ -172,7 +172,8 @@ class HostAgent:
         """Runs one prefill (`LiveBackend.start_prefill`) and returns its outcome: `ok`, and
         either `first_token`, `cached_len`, `inserted`, `evicted`, `block_ids`, `num_tokens`,
         `device_ids`, `cp_degree`, `seconds` (in the agent), `entered` / `left` (wall-clock
-        `time.time()` when the call arrived and returned, for the dispatch latency), or
+        `time.time()` when the call arrived and returned, for the dispatch latency), `worker`
+        (its `LiveBackend.describe_worker` view after the prefill), or
         `error` (with `restarted` when the agent was restarted and is not set up)."""
         entered, t0 = time.time(), time.perf_counter()
         b = self.backend
@@ -195,7 +196,7 @@ class HostAgent:
         return {"ok": True, "first_token": value.first_token, "cached_len": value.cached_len,
                 "inserted": tuple(value.inserted_blocks), "evicted": tuple(value.evicted_blocks),
                 "block_ids": live.block_ids, "num_tokens": live.num_tokens,
-                "hold_id": live.hold_id,
+                "hold_id": live.hold_id, "worker": b.describe_worker(worker_id),
                 "device_ids": live.device_ids, "cp_degree": live.cp_degree,
                 "seconds": time.perf_counter() - t0, "entered": entered, "left": time.time()}
 
@@ -281,22 +282,6 @@ class HostAgent:
     async def reset_prefix_cache(self) -> dict[int, tuple[int, ...]]:
         """Evicts every unreferenced cached block; returns the evicted hashes per worker."""
         return await asyncio.to_thread(self.backend.reset_prefix_cache)
-
-    def describe(self) -> dict[int, dict]:
-        """Per worker: cached blocks and compiled prefill executables for its devices."""
-        out = {}
-        for wid, w in list(self.backend.workers.items()):
-            if w.retired is not None:
-                continue
-            devices = w.device_ids
-            out[wid] = {"kv_blocks_cached": len(w.cache),
-                        "prefill_executables": sum(1 for k in list(w.executables)
-                                                   if k[0] == devices)}
-        return out
-
-    def errors(self) -> list[str]:
-        """Failures of background operations on this host so far."""
-        return list(self.backend.errors) if self.backend is not None else []
 
     def ping(self) -> int:
         """The agent's pid (a liveness check)."""

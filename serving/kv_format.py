@@ -18,6 +18,8 @@ stack); `load_kv` is ours, on numpy (bfloat16 via `ml_dtypes`, which JAX ships).
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import safetensors
@@ -65,7 +67,6 @@ def load_kv(data: bytes) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
     try:
         tensors = dict(safetensors.deserialize(data))
         header_len = int.from_bytes(data[:8], "little")
-        import json
         meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
     except Exception as e:  # SafetensorError, JSON, short data
         raise ValueError(f"not a safetensors KV payload: {type(e).__name__}: {e}") from None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from serving.kv_hold import HoldGone, KVHold, KVHolds
+from serving.kv_hold import HoldGone, KVHold, KVHolds, release_each
 from vertumnus_jax import release_request
 
 _log = logging.getLogger(__name__)
@@ -111,14 +111,7 @@ class KVHandOff:
 
     def release_quietly(self, hold_ids, reason: str) -> int:
         """`release` of each id that is still held; returns how many were."""
-        done = 0
-        for hold_id in hold_ids:
-            try:
-                self.release(hold_id, reason)
-                done += 1
-            except KeyError:  # HoldGone included: ended meanwhile
-                pass
-        return done
+        return release_each(self.release, hold_ids, reason)
 
     def issue(self, hold_ids) -> None:
         """The holds' ids are being answered: preemptable from now on (`KVHolds.issue`)."""

@@ -40,6 +40,19 @@ RELEASE_REASONS = ("pulled", "released", "expired", "preempted", "failed", "host
 RECENT_LIMIT = 4096
 
 
+def release_each(release, hold_ids: Iterable[str], reason: str) -> int:
+    """`release(hold_id, reason)` for each id, skipping those no longer held (`KeyError`,
+    `HoldGone` included); returns how many were released."""
+    done = 0
+    for hold_id in hold_ids:
+        try:
+            release(hold_id, reason)
+            done += 1
+        except KeyError:  # ended meanwhile
+            pass
+    return done
+
+
 class HoldGone(KeyError):
     """The hold existed and ended; `reason` says how (one of `RELEASE_REASONS`)."""
 

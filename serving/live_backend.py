@@ -22,7 +22,7 @@ KV holds (the P/D hand-off, `serving.kv_handoff`): a prefill whose request asked
 its blocks pinned after it ends instead of releasing them; a prefill that runs out of blocks
 while holds pin some releases the worker's oldest hold and tries again; a worker about to be
 re-carved first copies its holds to host memory; expired holds are released on a background
-thread (`expire_kv_holds`, called by the engine's tick).
+thread (`tick`, called by the engine's tick).
 """
 
 from __future__ import annotations
@@ -199,13 +199,20 @@ class LiveBackend:
                 if not self.handoff.preempt_oldest(worker_id, worker):
                     raise
 
-    def tick(self, now: float) -> None:
-        """The engine's periodic call: expires KV holds."""
-        self.expire_kv_holds(now)
+    def describe_worker(self, worker_id: int) -> dict | None:
+        """`GET /v1/workers`' view of a worker: cached blocks and the prefill executables made
+        for its devices; None while it is being re-carved (replaced when `finish` runs)."""
+        live = self.workers.get(worker_id)
+        if live is None or live.retired is not None:
+            return None
+        devices = live.device_ids  # list(): a prefill thread may add one meanwhile
+        return {"kv_blocks_cached": len(live.cache),
+                "prefill_executables": sum(1 for k in list(live.executables) if k[0] == devices)}
 
-    def expire_kv_holds(self, now: float) -> None:
-        """Releases, on a background thread, the KV holds whose time passed at `now` (seconds
-        on the backend's clock). Cheap when none did; at most one such job runs at a time."""
+    def tick(self, now: float) -> None:
+        """The engine's periodic call: releases, on a background thread, the KV holds whose
+        time passed at `now` (seconds on the backend's clock). Cheap when none did; at most one
+        such job runs at a time."""
         if self._closed or not self.handoff.holds.expired(now) or (
                 self._expiring is not None and not self._expiring.done()):
             return

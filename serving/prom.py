@@ -54,6 +54,8 @@ from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECT
                                CollectorRegistry, Counter, Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from serving.kv_hold import RELEASE_REASONS
+
 # The Grafana dashboard over these series (Grafana 10 model, `${DS_PROMETHEUS}` input).
 DASHBOARD = pathlib.Path(__file__).parent / "grafana" / "vertumnus-dashboard.json"
 
@@ -174,8 +176,6 @@ class _PoolCollector:
 
 def _hold_metrics(handoff, m: str):
     """The P/D hand-off's KV holds (`serving.kv_hold`); zeros when the backend holds none."""
-    from serving.kv_hold import RELEASE_REASONS
-
     active = GaugeMetricFamily("vertumnus:kv_holds", "Prompts whose KV is held for a decode "
                                "side now.", labels=["model_name"])
     blocks = GaugeMetricFamily("vertumnus:kv_hold_blocks", "KV blocks pinned by holds (device "

@@ -73,7 +73,6 @@ class RemoteWorker:
     device_ids: tuple[int, ...]
     kv_blocks_cached: int = 0
     prefill_executables: int = 0
-    retired: str | None = None
 
 
 class RayBackend:
@@ -197,8 +196,9 @@ class RayBackend:
                 self.scheduler.fail(worker_id, rid, t, f"host {host.host_id}: {msg}")
                 return
             w = self.workers.get(worker_id)
-            if w is not None:
-                w.kv_blocks_cached += len(out["inserted"]) - len(out["evicted"])
+            if w is not None and out.get("worker"):  # the agent's own count, after the prefill
+                w.kv_blocks_cached = out["worker"]["kv_blocks_cached"]
+                w.prefill_executables = out["worker"]["prefill_executables"]
             devices = tuple(host.host_id * self.devices_per_host + d for d in out["device_ids"])
             held = out.get("hold_id")
             if held is not None and not self.handoff.pinned(held, worker_id, out, devices,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from serving.kv_hold import HoldGone, KVHold, KVHolds
+from serving.kv_hold import HoldGone, KVHold, KVHolds, release_each
 
 # Seconds past its hold time after which the head forgets a hold (the agent expired it).
 HEAD_GRACE_S = 5.0
@@ -108,14 +108,7 @@ class RemoteHandOff:
 
     def release_quietly(self, hold_ids: Iterable[str], reason: str) -> int:
         """`release` of each id still held; returns how many were."""
-        done = 0
-        for hold_id in hold_ids:
-            try:
-                self.release(hold_id, reason)
-                done += 1
-            except KeyError:  # HoldGone included
-                pass
-        return done
+        return release_each(self.release, hold_ids, reason)
 
     def issue(self, hold_ids: Iterable[str]) -> None:
         """Marks holds answered, here and on their agents (preemptable from now on)."""

@@ -152,16 +152,12 @@ def build_ray_engine(config, hosts: HostsConfig):
         `config.composition` when given for one host, else the paper's rule at `expected_rate`
         divided among the hosts).
     """
-    from serving.engine import Engine
-    from serving.policy.cost_model import PrefillCostModel
-    from serving.policy.plugins import router_from_spec
-    from serving.policy.profiles import read_profile_csv
-    from serving.policy.request import prompt_block_hashes
-    from serving.server import DEFAULT_PROFILE, choose_composition, model_info, usable_degrees
+    from serving.server import (assemble_engine, choose_composition, fit_cost_model, model_info,
+                                usable_degrees)
 
     ecfg = config.engine
     name, vocab, tokenizer = model_info(config)
-    cost_model = PrefillCostModel.fit(read_profile_csv(config.profile or DEFAULT_PROFILE))
+    cost_model = fit_cost_model(config)
     import ray
     if not ray.is_initialized() and not hosts.local_hosts:
         ray.init(address=hosts.ray_address, include_dashboard=False, log_to_driver=True)
@@ -174,13 +170,9 @@ def build_ray_engine(config, hosts: HostsConfig):
                         num_blocks=ecfg.kv_blocks_per_device, block_size=ecfg.block_size,
                         interpret=config.interpret, min_bucket=config.min_bucket,
                         kv_hold_seconds=ecfg.kv_hold_seconds)
-    ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
-                              max_degree=degrees[-1])
-    ecfg = dataclasses.replace(ecfg, controller_config=ctl)
     states, specs = start_host_agents(dataclasses.replace(hosts, devices_per_host=m), agent,
                                       [comp] * n_hosts, ecfg.max_input_len,
                                       ecfg.kv_blocks_per_device)
-    bs = ecfg.block_size
 
     def make_backend(post, clock):
         return RayBackend(states, specs, devices_per_host=m, post=post, clock=clock,
@@ -188,9 +180,7 @@ def build_ray_engine(config, hosts: HostsConfig):
                           max_input_len=ecfg.max_input_len,
                           kv_hold_seconds=ecfg.kv_hold_seconds)
 
-    router = router_from_spec(config.router) if config.router else None
-    engine = Engine(ecfg, make_backend, specs, cost_model, n_hosts * m,
-                    lambda ids: prompt_block_hashes(ids, bs), router=router, degrees=degrees)
+    engine = assemble_engine(config, make_backend, specs, cost_model, n_hosts * m, degrees)
     return engine, tokenizer, name, vocab
 
 

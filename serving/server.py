@@ -121,6 +121,37 @@ def choose_composition(config: ServerConfig, num_devices: int, degrees: Sequence
         lambda c: cost_model.predict(c, config.expected_input_len, 0), ctl.upper)
 
 
+def fit_cost_model(config: ServerConfig) -> PrefillCostModel:
+    """The router's cost model, fitted to `config.profile` (default: the built-in CPU one)."""
+    return PrefillCostModel.fit(read_profile_csv(config.profile or DEFAULT_PROFILE))
+
+
+def assemble_engine(config: ServerConfig, make_backend, specs: Sequence[WorkerSpec],
+                    cost_model: PrefillCostModel, num_devices: int,
+                    degrees: Sequence[int]) -> Engine:
+    """The `Engine` over `make_backend`'s backend and `specs` (one or several hosts): the
+    controller's degree range set to `degrees`, prompts hashed per full block, `config.router`
+    or the default router."""
+    ecfg = config.engine
+    ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
+                              max_degree=degrees[-1])
+    ecfg = dataclasses.replace(ecfg, controller_config=ctl)
+    bs = ecfg.block_size
+
+    def hash_prompt(token_ids):
+        return prompt_block_hashes(token_ids, bs)  # full blocks: the workers' cache keys
+
+    router = router_from_spec(config.router) if config.router else None
+    return Engine(ecfg, make_backend, specs, cost_model, num_devices, hash_prompt,
+                  router=router, degrees=degrees)
+
+
+def _model_name(config: ServerConfig) -> str:
+    if config.checkpoint is not None:
+        return os.path.basename(os.path.normpath(config.checkpoint))
+    return config.model
+
+
 def build_engine(config: ServerConfig, devices: Sequence):
     """The engine, tokenizer, model name and vocabulary size for `config` on `devices`.
 
@@ -138,19 +169,13 @@ def build_engine(config: ServerConfig, devices: Sequence):
     ecfg = config.engine
     if config.checkpoint is not None:
         model = load_hf_checkpoint(config.checkpoint)
-        name = os.path.basename(os.path.normpath(config.checkpoint))
     else:
         model = init_model(ModelConfig.named(config.model), seed=config.seed)
-        name = config.model
     vocab = model.config.vocab_size
     tokenizer = load_tokenizer(config.checkpoint, vocab)
-    profile = config.profile or DEFAULT_PROFILE
-    cost_model = PrefillCostModel.fit(read_profile_csv(profile))
+    cost_model = fit_cost_model(config)
     degrees = usable_degrees(config, len(devices))
     composition = choose_composition(config, len(devices), degrees, cost_model)
-    ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
-                              max_degree=degrees[-1])
-    ecfg = dataclasses.replace(ecfg, controller_config=ctl)
     pool = DevicePool(list(devices), composition)
     graphdef, state = nnx.split(model)
     replicas = ParamReplicas(state, list(devices))
@@ -158,20 +183,15 @@ def build_engine(config: ServerConfig, devices: Sequence):
     specs = [WorkerSpec(g.worker_id, g.cp_degree, g.first_device,
                         ecfg.kv_blocks_per_device * g.cp_degree, ecfg.max_input_len(g.cp_degree))
              for g in pool.groups]
-    bs = ecfg.block_size
-
-    def hash_prompt(token_ids):
-        return prompt_block_hashes(token_ids, bs)  # full blocks: the workers' cache keys
 
     def make_backend(post, clock):
         return LiveBackend(pool, replicas, graphdef, num_blocks=ecfg.kv_blocks_per_device,
-                           block_size=bs, post=post, clock=clock, interpret=config.interpret,
-                           min_bucket=config.min_bucket, kv_hold_seconds=ecfg.kv_hold_seconds)
+                           block_size=ecfg.block_size, post=post, clock=clock,
+                           interpret=config.interpret, min_bucket=config.min_bucket,
+                           kv_hold_seconds=ecfg.kv_hold_seconds)
 
-    router = router_from_spec(config.router) if config.router else None
-    engine = Engine(ecfg, make_backend, specs, cost_model, len(devices), hash_prompt,
-                    router=router, degrees=degrees)
-    return engine, tokenizer, name, vocab
+    engine = assemble_engine(config, make_backend, specs, cost_model, len(devices), degrees)
+    return engine, tokenizer, _model_name(config), vocab
 
 
 def model_info(config: ServerConfig):
@@ -188,10 +208,9 @@ def model_info(config: ServerConfig):
     if config.checkpoint is not None:
         with open(os.path.join(config.checkpoint, "config.json")) as f:
             mc = ModelConfig.from_hf_config(json.load(f))
-        name = os.path.basename(os.path.normpath(config.checkpoint))
     else:
-        mc, name = ModelConfig.named(config.model), config.model
-    return name, mc.vocab_size, load_tokenizer(config.checkpoint, mc.vocab_size)
+        mc = ModelConfig.named(config.model)
+    return _model_name(config), mc.vocab_size, load_tokenizer(config.checkpoint, mc.vocab_size)
 
 
 def make_app(config: ServerConfig, engine, tokenizer, name: str, vocab: int):

@@ -17,15 +17,8 @@ import jax
 import numpy as np
 
 from vertumnus_jax.kv_move import block_bytes
-from vertumnus_jax.recarve import ReplicationResult
+from vertumnus_jax.recarve import ReplicationResult, _as_chain, _take_events
 from vertumnus_jax.worker import Worker
-
-
-def _chain(block_hashes) -> tuple[int, ...]:
-    chain = tuple(int(h) for h in block_hashes)
-    if not chain:
-        raise ValueError("block_hashes must not be empty")
-    return chain
 
 
 def _live(worker, name: str) -> None:
@@ -49,7 +42,7 @@ def export_prefix(src: Worker, block_hashes: Sequence[int], start: int = 0
       ValueError: a retired worker, an empty chain, `start` out of `[0, len)`, or src not
         holding the whole chain.
     """
-    chain = _chain(block_hashes)
+    chain = _as_chain(block_hashes)
     _live(src, "src")
     if not 0 <= start < len(chain):
         raise ValueError(f"start must be in [0, {len(chain)}), got {start}")
@@ -83,7 +76,7 @@ def import_prefix(dst: Worker, block_hashes: Sequence[int], start: int, k: np.nd
       OutOfBlocksError: (nothing changed) dst cannot hold the missing blocks.
     """
     t0 = time.perf_counter()
-    chain = _chain(block_hashes)
+    chain = _as_chain(block_hashes)
     _live(dst, "dst")
     bs = dst.block_size
     cfg = dst.config
@@ -107,11 +100,7 @@ def import_prefix(dst: Worker, block_hashes: Sequence[int], start: int, k: np.nd
         cache.insert(chain, have + new_ids)
         cache.unlock(chain[:n_have])
     jax.block_until_ready((dst.pool.k, dst.pool.v))
-    events = list(cache.events[n_events:])
-    if consume_events:
-        del cache.events[n_events:]
-    inserted = tuple(e.block_hash for e in events if e.kind == "insert")
-    evicted = tuple(e.block_hash for e in events if e.kind == "evict")
+    inserted, evicted = _take_events(cache, n_events, consume_events)
     nbytes = block_bytes(cfg, bs)
     return ReplicationResult(inserted, evicted, n - n_have, (n - n_have) * nbytes,
                              time.perf_counter() - t0)

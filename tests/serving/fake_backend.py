@@ -36,6 +36,13 @@ class FakeBackend:
         self._timers.append(t)
         t.start()
 
+    def describe_worker(self, worker_id):
+        w = self.workers.get(worker_id)
+        if w is None:
+            return None
+        return {"kv_blocks_cached": len(w.cache), "prefill_executables": sum(
+            1 for key in w.executables if key[0] == w.device_ids)}
+
     def start_prefill(self, worker_id, request, now):
         self.started.append((worker_id, request.request_id))
         cache = self.workers[worker_id].cache
