@@ -6,13 +6,12 @@ per degree, the fitted cost model). Built in here:
 - `homogeneous-cpN`: every worker of CP degree N over the GPU budget, with cache-aware
   least-cost routing (`serving.policy.cost_router.VertumnusRouter`; the paper's homogeneous baseline);
 - `leastwork-cpN`: the same pool routed by least outstanding work, blind to the cache;
-- `vertumnus`: the full system: the initial composition of least predicted mean TTFT on the
-  demand sample (`serving.policy.composition.choose_initial`), the placement-cost router (G
-  against the cheapest degree), the what-if split/merge controller
+- `vertumnus`: the full system: the composition and router rule of least mean TTFT when the
+  demand sample is simulated through each (`vertumnus_system`), the placement cost charging
+  the live context it evicts (`serving.policy.live_set`), the what-if split/merge controller
   (`serving.policy.composition.CompositionController`) and the global prefix-cache manager;
-  `vertumnus-nocache` without the cache manager, `vertumnus-static` without controller and cache
-  manager (ablations); `vertumnus-fetch` with `serving.policy.fetch_router.
-  FetchingVertumnusRouter` (the placement cost may fetch another worker's prefix);
+  ablations `vertumnus-nocache`, `vertumnus-static` (no controller, no cache manager) and
+  `vertumnus-fetch` (`serving.policy.fetch_router.FetchingVertumnusRouter` forced);
 - `vertumnus-paper`: the policy as the paper describes it (initial composition with the most
   large-degree workers that has enough capacity, G against the cheapest worker, the threshold
   controller `serving.policy.controller.ReconfigurationController`); `vertumnus-paper+replay`
@@ -46,6 +45,7 @@ from serving.policy.controller import (ControllerConfig, ReconfigurationControll
                                        initial_composition)
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
+from serving.policy.live_set import DEFAULT_HORIZON_S
 from serving.policy.plugins import call_plugin, construct_router, guard_system, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
@@ -220,20 +220,17 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                      cache_config: CacheManagerConfig | None = None,
                      fetch: bool | None = None, gpu_cost: str = "worker", initial: str = "replay",
                      control: str = "whatif",
-                     composition_config: CompositionConfig | None = None) -> System:
+                     composition_config: CompositionConfig | None = None,
+                     live_horizon_s: float | None = DEFAULT_HORIZON_S) -> System:
     """Vertumnus: placement-cost router, split/merge controller and prefix-cache manager.
 
-    `initial` "replay" starts from the composition and router (with or without prefix fetch)
-    of least mean TTFT when the demand sample is simulated through each (`eval.whatif_sim`; the
-    router's cost model is the clock), "whatif" from the composition of least predicted mean
-    TTFT in the queueing replay (`choose_initial`), "paper" from the one with the most
-    large-degree workers
-    and enough capacity (`initial_composition`, target load the threshold controller's upper
-    threshold); `mixed_degrees` when no demand is known. `control` "whatif" runs
-    `CompositionController`, "paper" `ReconfigurationController`. `gpu_cost` is the router's
-    (`VertumnusRouter`). `beta`, `lam` and the configs are the knobs of the sensitivity sweeps
-    (the controller's degree range is always the pool's `degrees`). `fetch` uses
-    `FetchingVertumnusRouter`, priced at the pool's `kv_transfer_gb_per_s`.
+    `initial`: "replay" starts from the composition and router rule of least mean TTFT when the
+    demand sample is simulated through each (`eval.whatif_sim`, the router's cost model as the
+    clock); "whatif" from the best in the queueing replay (`choose_initial`); "paper" from the
+    one with the most large-degree workers and enough capacity (`initial_composition`);
+    `mixed_degrees` when no demand is known. `control`: "whatif" (`CompositionController`) or
+    "paper" (`ReconfigurationController`). `gpu_cost`, `beta`, `lam`, `live_horizon_s` (None:
+    no eviction cost) are the router's; `fetch` forces `FetchingVertumnusRouter` (True) or not.
     """
     degrees = sorted(set(pool.degrees))
     ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
@@ -243,11 +240,14 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
     if d is not None and initial == "replay" and d.requests:
         options = [c for c in compositions(pool.num_gpus, degrees) if max(c) >= need]
-        routers = {"cost": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="worker"),
-                   "cost-degree": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="degree"),
+        live = live_horizon_s
+        routers = {"cost": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="worker",
+                                                   live_horizon_s=live),
+                   "cost-degree": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="degree",
+                                                          live_horizon_s=live),
                    "fetch": lambda: FetchingVertumnusRouter(
                        pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s, beta=beta, lam=lam,
-                       scaleout_gb_per_s=pool.scaleout_gb_per_s)}
+                       scaleout_gb_per_s=pool.scaleout_gb_per_s, live_horizon_s=live)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
         elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
@@ -259,7 +259,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
             options = sorted(options, key=lambda c: scores[tuple(c)])[:MAX_REPLAYED]
         comp, chosen, _ = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
-            tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s))
+            tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s,
+                 live_horizon_s))
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
     elif d is not None and initial == "whatif" and d.sample:
@@ -282,26 +283,24 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         setup.append(PrefixCacheManager(cache_config or CacheManagerConfig(),
                                         pool.kv_transfer_gb_per_s, pool.scaleout_gb_per_s).attach)
     router = (FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
-                                      beta=beta, lam=lam, scaleout_gb_per_s=pool.scaleout_gb_per_s)
-              if fetch else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost))
+                                      beta=beta, lam=lam, scaleout_gb_per_s=pool.scaleout_gb_per_s,
+                                      live_horizon_s=live_horizon_s)
+              if fetch else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost,
+                                            live_horizon_s=live_horizon_s))
     return System(name, pool.workers(comp), router, setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 
-# Fetching duplicates prefixes across workers: when the demand's steady-state working set is
-# above this multiple of the pool's KV capacity, copies evict contexts that will be needed again,
-# which a short replay of the demand does not show, so the replayed choice leaves fetch out.
-# Set on the agent sessions (ws / capacity 0.6, 1.2, 1.8, 2.3 at load factors 0.1-0.4 with
-# Qwen3-30B-A3B; fetch won at the first two and lost at the last two): said in RESULTS.md.
+# Above this working set / KV capacity (closed-loop sessions, steady state) the replay leaves
+# fetch out: copies evict contexts needed again, which a short replay does not show. Set on the
+# agent sessions (0.6, 1.2, 1.8, 2.3 at loads 0.1-0.4, Qwen3-30B-A3B): said in RESULTS.md.
 FETCH_WORKING_SET = 1.5
-# Compositions the simulated replay tries at most (the queueing replay ranks the rest out):
-# 40 GPUs over {1, 2, 4, 8} have 286.
-MAX_REPLAYED = 16
+MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {1..8}: 286)
 
 
 def _paper(name: str, **kw) -> Callable[[PoolConfig], System]:
     """The paper's policy, with `kw` switching this project's changes on one at a time."""
-    base = dict(gpu_cost="worker", initial="paper", control="paper")
+    base = dict(gpu_cost="worker", initial="paper", control="paper", live_horizon_s=None)
     return lambda pool: vertumnus_system(pool, name=name, **{**base, **kw})
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
       kv_blocks_per_device: KV blocks each device holds, >= 1.
       max_model_len: longest prompt the model accepts (tokens), >= 1.
       beta, lam: the placement cost's weights (`VertumnusRouter`), >= 0.
+      live_horizon_s: None (the paper's placement cost) or the window of the workers' live
+        working sets whose eviction the cost charges (`serving.policy.live_set`; the
+        simulator's `vertumnus` uses 300), seconds, finite and > 0.
       controller: run the split/merge controller; `controller_config` its thresholds.
       controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
         "whatif" (`serving.policy.composition.CompositionController`, the simulator's default
@@ -62,6 +65,7 @@ class EngineConfig:
     max_model_len: int = 4096
     beta: float = 1.0
     lam: float = 1.0
+    live_horizon_s: float | None = None
     controller: bool = True
     controller_config: ControllerConfig = ControllerConfig()
     controller_policy: str = "paper"
@@ -85,6 +89,10 @@ class EngineConfig:
         for name in ("beta", "lam"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.live_horizon_s is not None and not (
+                math.isfinite(self.live_horizon_s) and self.live_horizon_s > 0):
+            raise ValueError(f"live_horizon_s must be None or a finite number > 0 seconds, got "
+                             f"{self.live_horizon_s}")
         if not (math.isfinite(self.scaleout_gb_per_s) and self.scaleout_gb_per_s >= 0):
             raise ValueError(f"scaleout_gb_per_s must be a finite number >= 0 GB/s, got "
                              f"{self.scaleout_gb_per_s}")

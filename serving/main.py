@@ -58,6 +58,10 @@ _ROUTER = flags.DEFINE_string("router", None, "A router class 'module:Class' ins
 _BETA = flags.DEFINE_float("beta", 1.0, "Router weight of the cache-aware prefill time.",
                            lower_bound=0.0)
 _LAM = flags.DEFINE_float("lam", 1.0, "Router weight of the GPU-time cost.", lower_bound=0.0)
+_LIVE = flags.DEFINE_float("live_horizon_s", 0.0, "Seconds a placed request's blocks stay live "
+                           "for the router's eviction cost (serving.policy.live_set; the "
+                           "simulator's vertumnus uses 300); 0 = off, the paper's cost.",
+                           lower_bound=0.0)
 _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
 _CONTROLLER_POLICY = flags.DEFINE_enum(
     "controller_policy", "paper", ["paper", "whatif"], "Which split/merge controller: the paper's "
@@ -164,6 +168,9 @@ def server_config() -> ServerConfig:
     comp = None if _COMPOSITION.value == "auto" else _ints(_COMPOSITION.value.split(","),
                                                            "composition")
     degrees = _ints(_DEGREES.value, "degrees")
+    if _ROUTER.value and _LIVE.value:
+        raise app.UsageError("--live_horizon_s sets Vertumnus's own router; it does not apply "
+                             f"to --router={_ROUTER.value}")
     try:
         ctl = ControllerConfig(upper=_UPPER.value, lower=_LOWER.value, hold_s=_HOLD.value,
                                cooldown_s=_COOLDOWN.value, window_s=_WINDOW.value,
@@ -171,6 +178,7 @@ def server_config() -> ServerConfig:
         engine = EngineConfig(
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
+            live_horizon_s=_LIVE.value or None,
             controller=_CONTROLLER.value, controller_config=ctl,
             controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,

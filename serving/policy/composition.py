@@ -15,7 +15,11 @@ transition is paid inside the prediction. When the window's work exceeds the poo
 (its load: the fewest GPU-seconds each request needs at the pool's degrees, over the window's
 span times the GPUs; the signal the paper's controller computed at the smallest degree only),
 queues grow whatever a short window shows: the change that lowers the load most is made, if it
-lowers it by a fifth of the margin. The best candidate is made only when its predicted
+lowers it by a fifth of the margin. The replay has no prefix caches, so it cannot see what a
+split costs in cached context (a re-carved cache, workers each able to keep fewer whole
+contexts): when the pool's live working set (the router's, `serving.policy.live_set`) is at
+least its KV capacity, the caches and not the compute bind the pool, and no split is made
+(on the agent sessions the splits made there cost +69 % mean TTFT; eval/RESULTS.md). The best candidate is made only when its predicted
 mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
 change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
 split, or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
@@ -37,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 from serving.policy.checks import require_finite
 from serving.policy.controller import compositions
+from serving.policy.live_set import LiveWorkingSet
 from serving.policy.request import Request
 from serving.policy.whatif import Sample, Window, best_composition, replay_ttft
 from serving.policy.reconfiguration import StrandedRequests
@@ -179,10 +184,13 @@ class CompositionController:
                               [free[w.worker_id] for w in active])
         options = []
         last_kind, last_time = self._last
+        kv_bound = kv_pressure(scheduler, active, now)
         for olds, news in self._changes(active, now, set(degrees)):
             kind = "split" if len(news) > len(olds) else "merge"
             if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
                 continue  # no undoing a change before `reverse_after_s` (no flapping)
+            if kind == "split" and kv_bound is not None and kv_bound >= 1.0:
+                continue  # the caches bind, not the compute: a split costs context (module doc)
             drain = max(w.running_estimate - (now - w.running_start) if w.running else 0.0
                         for w in olds)
             queued = sum(w.queued_seconds for w in olds)
@@ -197,6 +205,8 @@ class CompositionController:
             options.append((ttft, label, olds, news, _load(comp, window)))
         figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
             options, key=lambda o: o[0])]
+        if kv_bound is not None:
+            figures.append(("live working set / KV capacity", kv_bound))
         if not options:
             return None, figures
         load = _load([w.cp_degree for w in active], window)
@@ -315,6 +325,17 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
                          f"with a worker of degree >= {min_largest_degree}")
     window = Window.of(sample, degrees, predict, max_input_len)
     return best_composition(options, window, lam)
+
+
+def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float | None:
+    """The pool's live working set over its KV capacity (blocks over blocks), from the router's
+    live working sets (`serving.policy.live_set.LiveWorkingSet.total`: workers that left the
+    pool within the horizon included, their contexts are in their successors' caches); None
+    when the router keeps none."""
+    live = getattr(scheduler.router, "live", None)
+    if not isinstance(live, LiveWorkingSet) or not active:
+        return None
+    return live.total(now) / sum(w.spec.kv_capacity_blocks for w in active)
 
 
 def _load(degrees: Sequence[int], window: Window) -> float:

@@ -22,12 +22,23 @@ worker take a shared system prompt's traffic until its queue exceeds that (issue
 so a cache miss is paid once, in S, and with one degree G is 0 for every worker (cache-aware
 least-cost routing). The default system chooses between them by replaying its demand
 (`eval.whatif_sim`).
+
+With `live_horizon_s` the cost also charges the live context a placement evicts, to be
+prefilled again (`serving.policy.live_set`):
+
+    cost(w) = Q_w + beta * S_w(r) + lambda * G_w(r) + E_w(r)
+    E_w(r)  = (beta + lambda * C_w) * T(C_w, over_w * B, 0)
+
+with `over_w` the blocks of w's live working set (the blocks requests placed on w in the last
+`live_horizon_s` seconds use) that r's new blocks push out of w's KV capacity; 0 while the
+live set fits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from serving.policy.live_set import LiveWorkingSet
 from serving.policy.request import Request
 from serving.policy.worker import WorkerState
 
@@ -46,13 +57,17 @@ class VertumnusRouter:
         scheduler's (set by `bind`).
       gpu_cost: "worker" (the paper's: G against the cheapest worker, the default) or "degree"
         (against the cheapest degree at w's cached prefix); module doc.
+      live_horizon_s: None (the paper's cost, the default), or the window in seconds of the
+        workers' live working sets whose evictions the cost charges (`E_w`, module doc).
 
     Raises:
-      ValueError: negative beta or lam, or an unknown gpu_cost.
+      ValueError: negative beta or lam, an unknown gpu_cost, or a live_horizon_s that is not
+        finite and > 0.
     """
 
     def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
-                 name: str = "vertumnus", gpu_cost: str = "worker") -> None:
+                 name: str = "vertumnus", gpu_cost: str = "worker",
+                 live_horizon_s: float | None = None) -> None:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         if not lam >= 0:
@@ -64,6 +79,7 @@ class VertumnusRouter:
         # h_w(r) counts blocks promised by prefills queued on w (FIFO: cached when r starts).
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
+        self.live = LiveWorkingSet(live_horizon_s) if live_horizon_s is not None else None
         self._rotation = 0
 
     def bind(self, scheduler) -> None:
@@ -102,8 +118,25 @@ class VertumnusRouter:
                 r = w.running_estimate - (now - w.running_start)
                 if r > 0:
                     q += r
-            out.append(q + beta * t + lam * g - lam * ref)
-        return out
+            out.append(q + beta * t + lam * g)
+        evict = self._eviction_costs(request, candidates, matched_blocks, now)
+        if evict:  # added where `choose` adds it, so both give the same floats
+            out = [c + e for c, e in zip(out, evict)]
+        return [c - lam * ref for c, ref in zip(out, refs)]
+
+    def _eviction_costs(self, request: Request, candidates: Sequence[WorkerState],
+                        matched_blocks: Sequence[int], now: float) -> list[float] | None:
+        """`E_w` per candidate, or None when there is none (no live sets, or all fit)."""
+        if self.live is None:
+            return None
+        return self.live.eviction_costs(request, candidates, matched_blocks, now,
+                                        self.cost_model.predict, self.beta, self.lam)
+
+    def _placed(self, request: Request, worker: WorkerState, now: float) -> None:
+        """Records the choice in the live working sets (when the cost charges evictions)."""
+        if self.live is not None:
+            full = request.input_len // request.block_size
+            self.live.touch(worker.spec.worker_id, request.block_hashes[:full], now)
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
@@ -145,6 +178,10 @@ class VertumnusRouter:
                     q += r
             append(q + st[0] + st[1])
         base = -lam * cheapest
+        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
+            if self.live is not None else None
+        if evict:
+            partial = [p + e for p, e in zip(partial, evict)]
         k = len(partial)
         start = self._rotation % k
         self._rotation += 1
@@ -160,6 +197,8 @@ class VertumnusRouter:
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {[p + base for p in partial]}")
+        if self.live is not None:
+            self._placed(request, candidates[best], now)
         return best
 
     def _choose_by_degree(self, request: Request, candidates: Sequence[WorkerState],
@@ -194,6 +233,10 @@ class VertumnusRouter:
                 if r > 0:
                     q += r
             append(q + e)
+        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
+            if self.live is not None else None
+        if evict:
+            total = [t + e for t, e in zip(total, evict)]
         k = len(total)
         start = self._rotation % k
         self._rotation += 1
@@ -207,4 +250,6 @@ class VertumnusRouter:
         if best < 0:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {total}")
+        if self.live is not None:
+            self._placed(request, candidates[best], now)
         return best

@@ -55,6 +55,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
       beta, lam, cost_model, name: as `VertumnusRouter`.
       scaleout_gb_per_s: bandwidth of a KV copy between workers of different hosts, GB/s,
         >= 0; 0 = free. Default `SCALEOUT_GB_PER_S` (25: one 200 Gb/s NIC).
+      live_horizon_s: as `VertumnusRouter` (the evictions' cost `E_w` is added to every plan;
+        `new_w` counts from w's own prefix, so a fetched prefix counts as written).
 
     Raises:
       ValueError: an argument outside the ranges above.
@@ -63,8 +65,9 @@ class FetchingVertumnusRouter(VertumnusRouter):
     def __init__(self, kv_bytes_per_token: int, transfer_gb_per_s: float = 100.0,
                  beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus-fetch",
-                 scaleout_gb_per_s: float = SCALEOUT_GB_PER_S) -> None:
-        super().__init__(beta, lam, cost_model, name)
+                 scaleout_gb_per_s: float = SCALEOUT_GB_PER_S,
+                 live_horizon_s: float | None = None) -> None:
+        super().__init__(beta, lam, cost_model, name, live_horizon_s=live_horizon_s)
         check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
         check_transfer_args(0, scaleout_gb_per_s)
         self.kv_bytes_per_token = int(kv_bytes_per_token)
@@ -149,6 +152,10 @@ class FetchingVertumnusRouter(VertumnusRouter):
         lam = self.lam
         # Q_w + beta * S_w + lam * (C_w * S_w - cheapest), added in that order
         costs = [a + lam * (p[4] - cheapest) for a, p in zip(part, st)]
+        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
+            if self.live is not None else None
+        if evict:
+            costs = [c + e for c, e in zip(costs, evict)]
         return costs, st
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],
@@ -191,6 +198,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
         _, copied, _, length, _ = st[best]
         if copied:
             self.fetches.plan(request, candidates[best].spec.worker_id, length)
+        if self.live is not None:
+            self._placed(request, candidates[best], now)
         return best
 
     def _cached_blocks(self, request: Request, candidates: Sequence[WorkerState]) -> list[int]:

@@ -28,6 +28,15 @@ def test_bad_flags_exit_with_a_message():
     assert "composition [3, 5]" in out.stderr and "sum to" in out.stderr
 
 
+def test_live_horizon_with_a_plugin_router_is_refused():
+    out = subprocess.run([sys.executable, "-m", "serving.main", "--live_horizon_s=300",
+                          "--router=serving.policy.router:LeastWorkRouter",
+                          "--compilation_cache_dir="], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "--live_horizon_s" in out.stderr and "LeastWorkRouter" in out.stderr
+
+
 def test_sigterm_finishes_in_flight_prefills_and_exits_0(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

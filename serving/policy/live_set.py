@@ -1,0 +1,163 @@
+"""The live working set of each worker, and what a placement's evictions cost (issue 15).
+
+A prefix cache evicts least recently used blocks. A placement that brings `n` new blocks to a
+worker whose cache is full evicts `n` blocks; that costs nothing when they are dead (no request
+will ask for them again) and a second prefill of them when they are live. The placement cost
+of `serving.policy.cost_router` prices a cache miss for the request it places, never the
+misses it causes for others: on long closed-loop sessions (agents, ~100K-token contexts, the
+pool's KV caches saturating before its compute) it moved sessions to idle workers whose caches
+then evicted other sessions' contexts, which were prefilled again (eval/RESULTS.md).
+
+Here a block is *live* on worker w when a request placed on w within the last `horizon_s`
+seconds uses it (the working-set model: Denning, "The working set model for program
+behavior", CACM 1968; the window is the horizon). With `live_w` the live blocks of w,
+`K_w` its KV capacity (blocks) and `new_w = ceil(L / B) - m_w` the blocks the request must
+write there (its prefix `m_w` is cached or promised), the live blocks it evicts are at most
+
+    over_w = min(new_w, live_w + new_w - K_w)            (0 when the live set still fits)
+
+and each must be prefilled again on w, so the placement is charged
+
+    E_w = (beta + lambda * C_w) * T(C_w, over_w * B, 0)   seconds
+
+the prefill's latency (weighted as the request's own, beta) and its GPU-seconds (lambda), the
+two terms of the placement cost. T from position 0 underestimates a re-prefill deep inside a
+long context (its attention spans the prefix before it): E is a lower bound. Only full blocks
+count (`input_len // B`: a partial last block is never cached). `new_w` counts the request's
+cached blocks as known: blocks cached but no longer live become live again without a write
+(an overestimate of the live set by at most those). Workers that leave the pool (split, merge,
+a lost host) keep their live blocks until the horizon passes: their contexts moved into the
+new workers' caches, so the pool's live working set (`total`) still counts them. Where every worker's live set fits (most workloads: production traffic
+reuses a small fraction of the KV capacity within minutes) E is 0 and placement is unchanged.
+
+Plain Python over plain data; `now` is passed in, never read from a clock.
+"""
+
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from serving.policy.request import Request
+from serving.policy.worker import WorkerState
+
+# The default horizon: the lifetime hosted prompt caches give an unused prefix (Anthropic's
+# prompt caching: 5 minutes; OpenAI's: 5 to 10 minutes of inactivity). On the agent sessions
+# 60, 120, 300 and 600 s were also measured (eval/RESULTS.md): 300 was best there, so that
+# workload's numbers are in-sample for this constant.
+DEFAULT_HORIZON_S = 300.0
+
+
+class LiveWorkingSet:
+    """Per worker, the blocks used by requests placed on it within the last `horizon_s`.
+
+    Costs: `touch` O(request blocks); `size` amortized O(1) (each block leaves the window once);
+    `eviction_costs` O(candidates) plus one prediction per distinct (degree, blocks) overflow.
+
+    Args:
+      horizon_s: the window (seconds) within which a block used by a placement stays live,
+        finite and > 0.
+
+    Raises:
+      ValueError: horizon_s not finite and > 0.
+    """
+
+    __slots__ = ("horizon_s", "_last", "_log", "_touches")
+
+    def __init__(self, horizon_s: float) -> None:
+        if not 0.0 < horizon_s < float("inf"):
+            raise ValueError(f"horizon_s must be finite and > 0 seconds, got {horizon_s}")
+        self.horizon_s = float(horizon_s)
+        self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
+        self._log: dict[int, deque] = {}  # worker -> (time, block hashes) in placement order
+        self._touches = 0
+
+    def size(self, worker_id: int, now: float) -> int:
+        """Live blocks of `worker_id` at `now` (0 for a worker never placed on). Placements
+        are expected in time order; one recorded out of order leaves with those before it."""
+        last = self._last.get(worker_id)
+        if last is None:
+            return 0
+        log, limit = self._log[worker_id], now - self.horizon_s
+        while log and log[0][0] < limit:
+            t, hashes = log.popleft()
+            for h in hashes:
+                if last.get(h) == t:
+                    del last[h]
+        return len(last)
+
+    def touch(self, worker_id: int, block_hashes: Sequence[int], now: float) -> None:
+        """Records that a request whose full blocks are `block_hashes` was placed on
+        `worker_id` at `now` (what left the window is dropped first: memory stays bounded by
+        the blocks placed within one horizon)."""
+        last = self._last.get(worker_id)
+        if last is None:
+            last = self._last[worker_id] = {}
+            self._log[worker_id] = deque()
+        else:
+            self.size(worker_id, now)
+        last.update(dict.fromkeys(block_hashes, now))
+        self._log[worker_id].append((now, block_hashes))
+        self._touches += 1
+        if not self._touches % 1024:  # workers no longer placed on (they left the pool)
+            self.total(now)
+
+    def total(self, now: float) -> int:
+        """Live blocks over every worker ever placed on, at `now` (those that left the pool
+        included until their blocks pass the horizon; then they are forgotten)."""
+        out = 0
+        for w in list(self._last):
+            n = self.size(w, now)
+            if not n:
+                self.forget(w)
+            out += n
+        return out
+
+    def forget(self, worker_id: int) -> None:
+        """Drops a worker's live set."""
+        self._last.pop(worker_id, None)
+        self._log.pop(worker_id, None)
+
+    def overflow_blocks(self, worker: WorkerState, new_blocks: int, now: float) -> int:
+        """`over_w` of the module docstring: live blocks of `worker` a placement writing
+        `new_blocks` blocks would evict (>= 0)."""
+        if new_blocks <= 0:
+            return 0
+        cap = worker.spec.kv_capacity_blocks
+        last = self._last.get(worker.spec.worker_id)
+        if last is None or len(last) + new_blocks <= cap:  # `size` only shrinks it
+            return 0
+        return max(0, min(new_blocks, self.size(worker.spec.worker_id, now) + new_blocks - cap))
+
+    def eviction_costs(self, request: Request, candidates: Sequence[WorkerState],
+                       matched_blocks: Sequence[int], now: float,
+                       predict: Callable[[int, int, int], float], beta: float, lam: float
+                       ) -> list[float] | None:
+        """`E_w` of the module docstring per candidate (seconds), or None when every one is 0.
+
+        Args:
+          request: the request being placed.
+          candidates: the workers it may go to.
+          matched_blocks: per candidate, the request's leading blocks cached or promised there
+            (at most its full blocks).
+          now: the scheduler's clock (seconds).
+          predict: the prefill-time model `T(cp_degree, input_len, cached_len) -> seconds`.
+          beta, lam: the placement cost's weights (`VertumnusRouter`).
+        """
+        bs = request.block_size
+        need = request.input_len // bs
+        out = None
+        memo: dict[tuple[int, int], float] = {}
+        for i, (w, m) in enumerate(zip(candidates, matched_blocks)):
+            over = self.overflow_blocks(w, need - m, now)
+            if not over:
+                continue
+            if out is None:
+                out = [0.0] * len(candidates)
+            c = w.spec.cp_degree
+            e = memo.get((c, over))
+            if e is None:
+                e = memo[(c, over)] = (beta + lam * c) * predict(c, over * bs, 0)
+            out[i] = e
+        return out
