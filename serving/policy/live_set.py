@@ -27,8 +27,10 @@ count (`input_len // B`: a partial last block is never cached). `new_w` counts t
 cached blocks as known: blocks cached but no longer live become live again without a write
 (an overestimate of the live set by at most those). Workers that leave the pool (split, merge,
 a lost host) keep their live blocks until the horizon passes: their contexts moved into the
-new workers' caches, so the pool's live working set (`total`) still counts them. Where every worker's live set fits (most workloads: production traffic
-reuses a small fraction of the KV capacity within minutes) E is 0 and placement is unchanged.
+new workers' caches, so the pool's live working set (`total`) still counts them. Where every
+worker's live set fits E is 0 and placement is unchanged; a live set counts every block placed
+within the horizon, reused or not, so with small workers it can exceed the KV capacity on
+production traffic too (eval/RESULTS.md says what that costs at low load).
 
 Plain Python over plain data; `now` is passed in, never read from a clock.
 """
@@ -53,7 +55,8 @@ class LiveWorkingSet:
     """Per worker, the blocks used by requests placed on it within the last `horizon_s`.
 
     Costs: `touch` O(request blocks); `size` amortized O(1) (each block leaves the window once);
-    `eviction_costs` O(candidates) plus one prediction per distinct (degree, blocks) overflow.
+    `eviction_costs` O(candidates) plus one prediction per new (degree, blocks) overflow
+    (remembered while the cost model, weights and block size stay the same).
 
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
@@ -63,7 +66,7 @@ class LiveWorkingSet:
       ValueError: horizon_s not finite and > 0.
     """
 
-    __slots__ = ("horizon_s", "_last", "_log", "_touches")
+    __slots__ = ("horizon_s", "_last", "_log", "_touches", "_memo", "_memo_for")
 
     def __init__(self, horizon_s: float) -> None:
         if not 0.0 < horizon_s < float("inf"):
@@ -72,6 +75,8 @@ class LiveWorkingSet:
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
         self._log: dict[int, deque] = {}  # worker -> (time, block hashes) in placement order
         self._touches = 0
+        self._memo: dict[tuple[int, int], float] = {}  # (C, blocks) -> E, for `_memo_for`
+        self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
 
     def size(self, worker_id: int, now: float) -> int:
         """Live blocks of `worker_id` at `now` (0 for a worker never placed on). Placements
@@ -148,14 +153,26 @@ class LiveWorkingSet:
         bs = request.block_size
         need = request.input_len // bs
         out = None
-        memo: dict[tuple[int, int], float] = {}
-        for i, (w, m) in enumerate(zip(candidates, matched_blocks)):
-            over = self.overflow_blocks(w, need - m, now)
-            if not over:
+        if self._memo_for != (predict, beta, lam, bs):
+            self._memo, self._memo_for = {}, (predict, beta, lam, bs)
+        memo, lasts = self._memo, self._last
+        for i, (w, m) in enumerate(zip(candidates, matched_blocks)):  # `overflow_blocks`, inlined
+            new = need - m
+            if new <= 0:
                 continue
+            spec = w.spec
+            last = lasts.get(spec.worker_id)
+            cap = spec.kv_capacity_blocks
+            if last is None or len(last) + new <= cap:  # `size` only shrinks it
+                continue
+            over = self.size(spec.worker_id, now) + new - cap
+            if over <= 0:
+                continue
+            if over > new:
+                over = new
             if out is None:
                 out = [0.0] * len(candidates)
-            c = w.spec.cp_degree
+            c = spec.cp_degree
             e = memo.get((c, over))
             if e is None:
                 e = memo[(c, over)] = (beta + lam * c) * predict(c, over * bs, 0)
