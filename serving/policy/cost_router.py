@@ -27,11 +27,12 @@ With `live_horizon_s` the cost also charges the live context a placement evicts,
 prefilled again (`serving.policy.live_set`):
 
     cost(w) = Q_w + beta * S_w(r) + lambda * G_w(r) + E_w(r)
-    E_w(r)  = (beta + lambda * C_w) * T(C_w, over_w * B, 0)
+    E_w(r)  = p * (beta + lambda * C_w) * T(C_w, over_w * B, 0)
 
 with `over_w` the blocks of w's live working set (the blocks requests placed on w in the last
-`live_horizon_s` seconds use) that r's new blocks push out of w's KV capacity; 0 while the
-live set fits.
+`live_horizon_s` seconds use) that r's new blocks push out of w's KV capacity (0 while the
+live set fits), and `p` the observed share of placed blocks that were already live where
+placed (the chance an evicted live block is asked for again).
 """
 
 from __future__ import annotations

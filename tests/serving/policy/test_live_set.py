@@ -17,7 +17,7 @@ from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_model import PrefillCostModel
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
-from serving.policy.live_set import LiveWorkingSet
+from serving.policy.live_set import REUSE_DECAY, LiveWorkingSet
 from serving.policy.profiles import generate_profile
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.worker import WorkerSpec, WorkerState, layout_workers
@@ -37,6 +37,14 @@ def worker(wid, c, capacity, queued=0.0):
     w = WorkerState(WorkerSpec(wid, c, wid * 8, capacity, 1_000_000))
     w.queued_seconds = queued
     return w
+
+
+def warm(live, worker_id, blocks, t=0.0):
+    """Places `blocks` on the worker twice (the second time they are reused there); returns the
+    reuse rate p that leaves: 16 of 16 blocks reused out of 16 * 0.999 + 16 placed."""
+    live.touch(worker_id, blocks, t)
+    live.touch(worker_id, blocks, t)
+    return len(blocks) / (len(blocks) * REUSE_DECAY + len(blocks))
 
 
 def request(rid, blocks, first=0, t=0.0):
@@ -77,32 +85,47 @@ def test_overflow_blocks_by_hand():
     assert live.overflow_blocks(w, 5, 61.0) == 0  # the live set has expired
 
 
+def test_reuse_rate_by_hand():
+    live = LiveWorkingSet(60.0)
+    assert live.reuse_rate == 1.0  # nothing placed yet: every live block counts
+    live.touch(0, [1, 2, 3, 4], 0.0)
+    assert live.reuse_rate == 0.0
+    live.touch(0, [3, 4, 5, 6], 1.0)  # 3 and 4 were live on worker 0
+    assert live.reuse_rate == pytest.approx(2 / (4 * 0.999 + 4))
+    live.touch(1, [3], 2.0)  # live on worker 0, not on worker 1: not a reuse there
+    assert live.reuse_rate == pytest.approx(2 * 0.999 / ((4 * 0.999 + 4) * 0.999 + 1))
+
+
 def test_eviction_costs_by_hand_and_none_when_every_live_set_fits():
     live = LiveWorkingSet(60.0)
-    live.touch(0, list(range(1000, 1016)), 0.0)  # worker 0: 16 live of 20
+    p = warm(live, 0, list(range(1000, 1016)))  # worker 0: 16 live of 20
     cands = [worker(0, 2, 20), worker(1, 4, 40)]
     r = request("r", 8)  # 8 blocks, none cached anywhere
     beta, lam = 1.5, 0.5
     out = live.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam)
     over = 16 + 8 - 20  # 4 live blocks pushed out of worker 0
-    assert out == pytest.approx([(beta + lam * 2) * Linear.predict(2, over * 512, 0), 0.0])
+    assert out == pytest.approx([p * (beta + lam * 2) * Linear.predict(2, over * 512, 0), 0.0])
     # with 6 of its blocks cached on worker 0 it writes 2 there: 18 <= 20, nothing evicted
     assert live.eviction_costs(r, cands, [6, 0], 1.0, Linear.predict, beta, lam) is None
+    # blocks placed once and never again (one-off prompts): p = 0, evicting them costs nothing
+    once = LiveWorkingSet(60.0)
+    once.touch(0, list(range(1000, 1016)), 0.0)
+    assert once.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam) == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("gpu_cost", ["worker", "degree"])
 def test_router_moves_a_cold_request_off_a_worker_whose_live_context_it_would_evict(gpu_cost):
-    # Worker 0 is idle but 16 of its 20 blocks are live; worker 1 has 0.2 s queued and nothing
-    # live. An 8-block cold request evicts 4 live blocks on worker 0: E_0 = (1 + 1 * 2) *
-    # T(2, 2048, 0) = 3 * 1.034 s, more than worker 1's queue, so it goes to worker 1. Without
-    # the live term it goes to the idle worker 0 (the contrast shows the check can fail).
+    # Worker 0 is idle but 16 of its 20 blocks are live (reused: p = 0.5); worker 1 has 0.2 s
+    # queued and nothing live. An 8-block cold request evicts 4 live blocks on worker 0:
+    # E_0 = p (1 + 1 * 2) T(2, 2048, 0) = 0.5 * 3 * 1.034 s, more than worker 1's queue, so it
+    # goes to worker 1. Without the live term it goes to the idle worker 0 (the contrast shows
+    # the check can fail).
     cands = [worker(0, 2, 20), worker(1, 2, 20, queued=0.2)]
     r = request("r", 8)
     paper = VertumnusRouter(cost_model=Linear, gpu_cost=gpu_cost)
     assert paper.choose(r, cands, [0, 0], 1.0) == 0
     router = VertumnusRouter(cost_model=Linear, gpu_cost=gpu_cost, live_horizon_s=60.0)
-    router.live.touch(0, list(range(1000, 1016)), 0.0)
-    e0 = 3 * Linear.predict(2, 4 * 512, 0)
+    e0 = warm(router.live, 0, list(range(1000, 1016))) * 3 * Linear.predict(2, 4 * 512, 0)
     with_live = router.costs(r, cands, [0, 0], 1.0)
     assert with_live == pytest.approx([a + b for a, b in
                                        zip(paper.costs(r, cands, [0, 0], 1.0), [e0, 0.0])])
@@ -117,8 +140,7 @@ def test_fetching_router_adds_the_same_eviction_cost():
     r = request("r", 8)
     plain = FetchingVertumnusRouter(0, cost_model=Linear)
     router = FetchingVertumnusRouter(0, cost_model=Linear, live_horizon_s=60.0)
-    router.live.touch(0, list(range(1000, 1016)), 0.0)
-    e0 = 3 * Linear.predict(2, 4 * 512, 0)
+    e0 = warm(router.live, 0, list(range(1000, 1016))) * 3 * Linear.predict(2, 4 * 512, 0)
     assert router.costs(r, cands, [0, 0], 1.0) == pytest.approx(
         [plain.costs(r, cands, [0, 0], 1.0)[0] + e0, plain.costs(r, cands, [0, 0], 1.0)[1]])
     assert plain.choose(r, cands, [0, 0], 1.0) == 0
