@@ -62,6 +62,9 @@ _LIVE = flags.DEFINE_float("live_horizon_s", 0.0, "Seconds a placed request's bl
                            "for the router's eviction cost (serving.policy.live_set; the "
                            "simulator's vertumnus uses 300); 0 = off, the paper's cost.",
                            lower_bound=0.0)
+flags.register_multi_flags_validator(
+    ["router", "live_horizon_s"], lambda f: not (f["router"] and f["live_horizon_s"]),
+    message="--live_horizon_s sets Vertumnus's own router; it does not apply with --router")
 _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
 _CONTROLLER_POLICY = flags.DEFINE_enum(
     "controller_policy", "paper", ["paper", "whatif"], "Which split/merge controller: the paper's "
@@ -168,9 +171,6 @@ def server_config() -> ServerConfig:
     comp = None if _COMPOSITION.value == "auto" else _ints(_COMPOSITION.value.split(","),
                                                            "composition")
     degrees = _ints(_DEGREES.value, "degrees")
-    if _ROUTER.value and _LIVE.value:
-        raise app.UsageError("--live_horizon_s sets Vertumnus's own router; it does not apply "
-                             f"to --router={_ROUTER.value}")
     try:
         ctl = ControllerConfig(upper=_UPPER.value, lower=_LOWER.value, hold_s=_HOLD.value,
                                cooldown_s=_COOLDOWN.value, window_s=_WINDOW.value,

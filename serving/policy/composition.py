@@ -17,8 +17,8 @@ span times the GPUs; the signal the paper's controller computed at the smallest 
 queues grow whatever a short window shows: the change that lowers the load most is made, if it
 lowers it by a fifth of the margin. The replay has no prefix caches, so it cannot see what a
 split costs in cached context (a re-carved cache, workers each able to keep fewer whole
-contexts): when the pool's live working set (the router's, `serving.policy.live_set`) is at
-least its KV capacity, the caches and not the compute bind the pool, and no split is made
+contexts): when the pool's live working set that is reused (the router's, `serving.policy.live_set`) is
+at least its KV capacity, the caches and not the compute bind the pool, and no split is made
 (on the agent sessions the splits made there cost +69 % mean TTFT; eval/RESULTS.md). The best candidate is made only when its predicted
 mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
 change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
@@ -206,7 +206,7 @@ class CompositionController:
         figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
             options, key=lambda o: o[0])]
         if kv_bound is not None:
-            figures.append(("live working set / KV capacity", kv_bound))
+            figures.append(("reused live working set / KV capacity", kv_bound))
         if not options:
             return None, figures
         load = _load([w.cp_degree for w in active], window)
@@ -328,14 +328,16 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
 
 
 def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float | None:
-    """The pool's live working set over its KV capacity (blocks over blocks), from the router's
-    live working sets (`serving.policy.live_set.LiveWorkingSet.total`: workers that left the
-    pool within the horizon included, their contexts are in their successors' caches); None
-    when the router keeps none."""
+    """The pool's live working set that is reused, over its KV capacity (blocks over blocks):
+    `p * live / capacity`, with the router's live blocks (`serving.policy.live_set.
+    LiveWorkingSet.total`; contexts of workers that left the pool within the horizon counted
+    once) and their observed reuse rate `p` (blocks used once never bind the caches); None
+    when the router keeps no live sets."""
     live = getattr(scheduler.router, "live", None)
     if not isinstance(live, LiveWorkingSet) or not active:
         return None
-    return live.total(now) / sum(w.spec.kv_capacity_blocks for w in active)
+    blocks = live.total(now, [w.worker_id for w in active])
+    return live.reuse_rate * blocks / sum(w.spec.kv_capacity_blocks for w in active)
 
 
 def _load(degrees: Sequence[int], window: Window) -> float:

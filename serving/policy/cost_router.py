@@ -120,7 +120,8 @@ class VertumnusRouter:
                 if r > 0:
                     q += r
             out.append(q + beta * t + lam * g)
-        evict = self._eviction_costs(request, candidates, matched_blocks, now)
+        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
+            if self.live is not None else None
         if evict:  # added where `choose` adds it, so both give the same floats
             out = [c + e for c, e in zip(out, evict)]
         return [c - lam * ref for c, ref in zip(out, refs)]

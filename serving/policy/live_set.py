@@ -31,8 +31,8 @@ live sets of a 300 s window exceeded the workers' KV, a second cache-miss price 
 position 0 underestimates a re-prefill deep inside a long context (its attention spans the
 prefix before it). Only full blocks
 count (`input_len // B`: a partial last block is never cached). `new_w` counts the request's
-cached blocks as known: blocks cached but no longer live become live again without a write
-(an overestimate of the live set by at most those). Workers that leave the pool (split, merge,
+cached blocks as known: blocks cached but no longer live become live again without a write,
+so `over_w` underestimates by at most those. Workers that leave the pool (split, merge,
 a lost host) keep their live blocks until the horizon passes: their contexts moved into the
 new workers' caches, so the pool's live working set (`total`) still counts them. Where every
 worker's live set fits E is 0 and placement is unchanged; a live set counts every block placed
@@ -66,7 +66,8 @@ class LiveWorkingSet:
 
     Costs: `touch` O(request blocks); `size` amortized O(1) (each block leaves the window once);
     `eviction_costs` O(candidates) plus one prediction per new (degree, blocks) overflow
-    (remembered while the cost model, weights and block size stay the same).
+    (remembered while the cost model, weights and block size stay the same: a cost model
+    changed in place, which `PrefillCostModel` never is, would need a new `LiveWorkingSet`).
 
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
@@ -86,8 +87,8 @@ class LiveWorkingSet:
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
         self._log: dict[int, deque] = {}  # worker -> (time, block hashes) in placement order
         self._touches = 0
-        self._reused = 0.0  # placed blocks already live where placed, decayed (`reuse_rate`)
-        self._placed = 0.0  # placed blocks, decayed the same way
+        self._reused = 0.0  # per placement, the share of its blocks live there, decayed sum
+        self._placed = 0.0  # placements, decayed the same way (`reuse_rate`)
         self._memo: dict[tuple[int, int], float] = {}  # (C, blocks) -> E, for `_memo_for`
         self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
 
@@ -116,30 +117,46 @@ class LiveWorkingSet:
         else:
             self.size(worker_id, now)
         if block_hashes:
-            self._reused = self._reused * REUSE_DECAY + len(last.keys() & block_hashes)
-            self._placed = self._placed * REUSE_DECAY + len(block_hashes)
+            share = len(last.keys() & block_hashes) / len(block_hashes)
+            self._reused = self._reused * REUSE_DECAY + share
+            self._placed = self._placed * REUSE_DECAY + 1.0
         last.update(dict.fromkeys(block_hashes, now))
         self._log[worker_id].append((now, block_hashes))
         self._touches += 1
         if not self._touches % 1024:  # workers no longer placed on (they left the pool)
             self.total(now)
 
-    def total(self, now: float) -> int:
-        """Live blocks over every worker ever placed on, at `now` (those that left the pool
-        included until their blocks pass the horizon; then they are forgotten)."""
-        out = 0
+    def total(self, now: float, active: Sequence[int] | None = None) -> int:
+        """The pool's live blocks at `now`: the sum over the `active` workers' live sets, plus
+        the blocks of workers no longer active (they left the pool within the horizon: their
+        contexts are in their successors' caches) that no active worker has live yet (so a
+        context placed again on a successor is counted once). `active` None: every worker ever
+        placed on, summed. Workers with nothing live are forgotten.
+
+        Costs: O(live blocks of the workers that left, and of the active ones while any that
+        left are still live), at set-operation speed; O(workers) otherwise.
+        """
         for w in list(self._last):
-            n = self.size(w, now)
-            if not n:
+            if not self.size(w, now):
                 self.forget(w)
-            out += n
+        lasts = self._last
+        if active is None:
+            return sum(len(last) for last in lasts.values())
+        ids = set(active)
+        out = sum(len(lasts[w]) for w in ids if w in lasts)
+        gone = [last.keys() for w, last in lasts.items() if w not in ids]
+        if gone:
+            here = set().union(*(lasts[w].keys() for w in ids if w in lasts))
+            out += len(set().union(*gone) - here)
         return out
 
     @property
     def reuse_rate(self) -> float:
-        """`p` of the module docstring: the share of placed blocks that were already live on
-        the worker they were placed on, over the recent placements (each weighed
-        `REUSE_DECAY ** k`, k placements ago); 1 before any placement."""
+        """`p` of the module docstring: per placement, the share of its blocks already live on
+        the worker it was placed on, averaged over the recent placements (the one k placements
+        ago weighed `REUSE_DECAY ** k`; each placement counts once, whatever its size); 1
+        before any placement. Blocks live on another worker (a session moved, or its worker
+        was split or merged) count as not reused: p reads low for a while after a change."""
         return self._reused / self._placed if self._placed else 1.0
 
     def forget(self, worker_id: int) -> None:

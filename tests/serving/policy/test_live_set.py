@@ -40,11 +40,11 @@ def worker(wid, c, capacity, queued=0.0):
 
 
 def warm(live, worker_id, blocks, t=0.0):
-    """Places `blocks` on the worker twice (the second time they are reused there); returns the
-    reuse rate p that leaves: 16 of 16 blocks reused out of 16 * 0.999 + 16 placed."""
+    """Places `blocks` on the worker twice (the second time all are reused there); returns the
+    reuse rate p that leaves: shares 0 then 1, so 1 / (0.999 + 1)."""
     live.touch(worker_id, blocks, t)
     live.touch(worker_id, blocks, t)
-    return len(blocks) / (len(blocks) * REUSE_DECAY + len(blocks))
+    return 1.0 / (REUSE_DECAY + 1.0)
 
 
 def request(rid, blocks, first=0, t=0.0):
@@ -90,10 +90,13 @@ def test_reuse_rate_by_hand():
     assert live.reuse_rate == 1.0  # nothing placed yet: every live block counts
     live.touch(0, [1, 2, 3, 4], 0.0)
     assert live.reuse_rate == 0.0
-    live.touch(0, [3, 4, 5, 6], 1.0)  # 3 and 4 were live on worker 0
-    assert live.reuse_rate == pytest.approx(2 / (4 * 0.999 + 4))
+    live.touch(0, [3, 4, 5, 6], 1.0)  # 3 and 4 were live on worker 0: a share of 1/2
+    assert live.reuse_rate == pytest.approx(0.5 / (0.999 + 1))
     live.touch(1, [3], 2.0)  # live on worker 0, not on worker 1: not a reuse there
-    assert live.reuse_rate == pytest.approx(2 * 0.999 / ((4 * 0.999 + 4) * 0.999 + 1))
+    assert live.reuse_rate == pytest.approx(0.5 * 0.999 / (0.999 ** 2 + 0.999 + 1))
+    live.touch(0, list(range(100, 8100)), 3.0)  # one huge cold placement counts once
+    assert live.reuse_rate == pytest.approx(0.5 * 0.999 ** 2 / (0.999 ** 3 + 0.999 ** 2
+                                                                  + 0.999 + 1))
 
 
 def test_eviction_costs_by_hand_and_none_when_every_live_set_fits():
@@ -147,26 +150,39 @@ def test_fetching_router_adds_the_same_eviction_cost():
     assert router.choose(r, cands, [0, 0], 1.0) == 1
 
 
-@pytest.mark.parametrize("kv_blocks_per_device, splits", [(10_000, True), (50, False)])
-def test_no_split_while_the_live_working_set_exceeds_the_kv_capacity(kv_blocks_per_device,
-                                                                    splits):
-    # The issue's overload case (16 GPUs as [8, 8], 1-3K-token prompts at 90 req/s) through the
-    # router with live sets: with room for every context the controller splits at its first
-    # evaluation; with 50 blocks per GPU (800 per pool) the ~2,000 blocks placed in a minute do
-    # not fit, the caches bind, and it makes no split, logging the ratio.
+def overloaded_sessions(unique_prompts=False):
+    """90 req/s on 16 GPUs as [8, 8] (the issue's overload case): each request is an 8-block
+    context of one of 200 sessions, taken in turn (each seen again every ~2.2 s), then 1-3K
+    tokens of its own; with `unique_prompts` every context is new (nothing is reused)."""
     rng = np.random.default_rng(1)
     times = np.cumsum(rng.exponential(1 / 90.0, 1800)).tolist()
-    lens = rng.integers(1000, 3000, len(times)).tolist()
-    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
-                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    out = []
+    for i, t in enumerate(times):
+        own = int(rng.integers(1000, 3000))
+        ctx = [10_000_000 + i * 8 + k for k in range(8)] if unique_prompts else \
+            [(i % 200) * 8 + k for k in range(8)]
+        tail = [1_000_000 + i * 10 + k for k in range(-(-own // 512))]
+        out.append(Request(f"r{i}", t, 4096 + own, 1, chain_block_hashes(ctx + tail), 512))
+    return out
+
+
+@pytest.mark.parametrize("kv_blocks_per_device, unique, splits",
+                         [(10_000, False, True), (50, False, False), (50, True, True)])
+def test_no_split_while_the_reused_live_set_exceeds_the_kv_capacity(kv_blocks_per_device,
+                                                                   unique, splits):
+    # With room for every context the controller splits at its first evaluation (the pool is
+    # overloaded). With 50 blocks per GPU (800 in all) the 200 sessions' 1,600 reused context
+    # blocks alone exceed the caches: p * live / capacity >= 1, the caches bind and no split is
+    # made. The same small caches with nothing reused (p = 0) do not veto a split.
     cfg = CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1, max_degree=8)
     ctl = CompositionController(cfg, lambda c: 100_000)
     specs = layout_workers([8, 8], kv_blocks_per_device, 100_000)
-    simulate(reqs, specs, COST, VertumnusRouter(live_horizon_s=60.0), COST.predict,
+    router = VertumnusRouter(live_horizon_s=60.0)
+    simulate(overloaded_sessions(unique), specs, COST, router, COST.predict,
              SimConfig(kv_transfer_gb_per_s=0.0, first_token_seconds=0.0, tick_interval=1.0),
              setup=[ctl.attach])
     made = [d for d in ctl.decisions if d.get("kind") == "split"]
-    ratios = [dict(d["candidates"]).get("live working set / KV capacity")
+    ratios = [dict(d["candidates"]).get("reused live working set / KV capacity")
               for d in ctl.decisions]
     assert all(r is not None for r in ratios)
     if splits:
@@ -175,6 +191,19 @@ def test_no_split_while_the_live_working_set_exceeds_the_kv_capacity(kv_blocks_p
     else:
         assert not made, made[0]
         assert ratios[-1] >= 1.0
+    if unique:
+        assert router.live.reuse_rate == 0.0
+
+
+def test_total_counts_a_context_moved_to_a_successor_once():
+    live = LiveWorkingSet(60.0)
+    live.touch(0, [1, 2, 3, 4], 0.0)  # worker 0 is split into 5 and 6; its session moves to 5
+    live.touch(5, [1, 2, 3, 4, 5], 10.0)
+    live.touch(6, [9], 10.0)
+    assert live.total(10.0, [5, 6]) == 5 + 1  # blocks 1-4 of worker 0 are worker 5's now
+    assert live.total(10.0) == 4 + 5 + 1  # every worker, summed
+    live.touch(0, [7], 11.0)  # (a late placement on the old worker: counted as its own)
+    assert live.total(11.0, [5, 6]) == 5 + 1 + 1
 
 
 def test_engine_config_takes_a_horizon_or_none():
