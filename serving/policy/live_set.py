@@ -85,43 +85,47 @@ class LiveWorkingSet:
             raise ValueError(f"horizon_s must be finite and > 0 seconds, got {horizon_s}")
         self.horizon_s = float(horizon_s)
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
-        self._log: dict[int, deque] = {}  # worker -> (time, block hashes) in placement order
+        self._log: deque = deque()  # (time, worker, block hashes), in placement order
         self._touches = 0
         self._reused = 0.0  # per placement, the share of its blocks live there, decayed sum
         self._placed = 0.0  # placements, decayed the same way (`reuse_rate`)
         self._memo: dict[tuple[int, int], float] = {}  # (C, blocks) -> E, for `_memo_for`
         self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
 
+    def _expire(self, now: float) -> None:
+        """Drops the blocks whose last placement is more than `horizon_s` before `now` (each
+        placement's entry is visited once, in time order, whichever worker it was on)."""
+        log, limit = self._log, now - self.horizon_s
+        lasts = self._last
+        while log and log[0][0] < limit:
+            t, w, hashes = log.popleft()
+            last = lasts.get(w)
+            if last is not None:
+                for h in hashes:
+                    if last.get(h) == t:
+                        del last[h]
+
     def size(self, worker_id: int, now: float) -> int:
         """Live blocks of `worker_id` at `now` (0 for a worker never placed on). Placements
         are expected in time order; one recorded out of order leaves with those before it."""
+        self._expire(now)
         last = self._last.get(worker_id)
-        if last is None:
-            return 0
-        log, limit = self._log[worker_id], now - self.horizon_s
-        while log and log[0][0] < limit:
-            t, hashes = log.popleft()
-            for h in hashes:
-                if last.get(h) == t:
-                    del last[h]
-        return len(last)
+        return len(last) if last is not None else 0
 
     def touch(self, worker_id: int, block_hashes: Sequence[int], now: float) -> None:
         """Records that a request whose full blocks are `block_hashes` was placed on
         `worker_id` at `now` (what left the window is dropped first: memory stays bounded by
         the blocks placed within one horizon)."""
+        self._expire(now)
         last = self._last.get(worker_id)
         if last is None:
             last = self._last[worker_id] = {}
-            self._log[worker_id] = deque()
-        else:
-            self.size(worker_id, now)
         if block_hashes:
             share = len(last.keys() & block_hashes) / len(block_hashes)
             self._reused = self._reused * REUSE_DECAY + share
             self._placed = self._placed * REUSE_DECAY + 1.0
         last.update(dict.fromkeys(block_hashes, now))
-        self._log[worker_id].append((now, block_hashes))
+        self._log.append((now, worker_id, block_hashes))
         self._touches += 1
         if not self._touches % 1024:  # workers no longer placed on (they left the pool)
             self.total(now)
@@ -136,9 +140,9 @@ class LiveWorkingSet:
         Costs: O(live blocks of the workers that left, and of the active ones while any that
         left are still live), at set-operation speed; O(workers) otherwise.
         """
-        for w in list(self._last):
-            if not self.size(w, now):
-                self.forget(w)
+        self._expire(now)
+        for w in [w for w, last in self._last.items() if not last]:
+            self.forget(w)
         lasts = self._last
         if active is None:
             return sum(len(last) for last in lasts.values())
@@ -160,9 +164,8 @@ class LiveWorkingSet:
         return self._reused / self._placed if self._placed else 1.0
 
     def forget(self, worker_id: int) -> None:
-        """Drops a worker's live set."""
+        """Drops a worker's live set (its entries left in the log are skipped)."""
         self._last.pop(worker_id, None)
-        self._log.pop(worker_id, None)
 
     def overflow_blocks(self, worker: WorkerState, new_blocks: int, now: float) -> int:
         """`over_w` of the module docstring: live blocks of `worker` a placement writing
@@ -195,6 +198,7 @@ class LiveWorkingSet:
         out = None
         if self._memo_for != (predict, beta, lam, bs):
             self._memo, self._memo_for = {}, (predict, beta, lam, bs)
+        self._expire(now)
         memo, lasts = self._memo, self._last
         for i, (w, m) in enumerate(zip(candidates, matched_blocks)):  # `overflow_blocks`, inlined
             new = need - m
@@ -203,9 +207,9 @@ class LiveWorkingSet:
             spec = w.spec
             last = lasts.get(spec.worker_id)
             cap = spec.kv_capacity_blocks
-            if last is None or len(last) + new <= cap:  # `size` only shrinks it
+            if last is None:
                 continue
-            over = self.size(spec.worker_id, now) + new - cap
+            over = len(last) + new - cap
             if over <= 0:
                 continue
             if over > new:

@@ -1,0 +1,32 @@
+"""The live engine runs the placement cost with live sets (`--live_horizon_s`): the same
+`VertumnusRouter` the simulator's `vertumnus` uses, over the fake backend behind the real app."""
+
+from __future__ import annotations
+
+from serving.policy.live_set import LiveWorkingSet
+from tests.serving.api_fixtures import BS, make_client
+
+
+def test_live_engine_records_each_placement_in_the_live_sets():
+    client, engine = make_client(live_horizon_s=300.0)
+    with client:
+        live = engine._router.live
+        assert isinstance(live, LiveWorkingSet) and live.horizon_s == 300.0
+        placed = {}
+        for k in range(4):
+            ids = [(7 * k + j) % 250 + 1 for j in range(3 * BS + 5)]  # 3 full blocks each
+            body = client.post("/v1/completions", json={"prompt": ids}).json()
+            placed.setdefault(body["worker_id"], []).append(k)
+        # every request's 3 full blocks are live on the worker that served it (distinct
+        # prompts: no block shared), and nothing was live there before (p = 0 so far)
+        for wid, ks in placed.items():
+            assert live.size(wid, engine.now()) == 3 * len(ks)
+        assert live.reuse_rate == 0.0
+        again = client.post("/v1/completions", json={"prompt": ids}).json()  # the last one
+        assert live.reuse_rate > 0.0 and again["worker_id"] == body["worker_id"]
+
+
+def test_live_engine_default_is_the_papers_cost():
+    client, engine = make_client()
+    with client:
+        assert engine._router.live is None
