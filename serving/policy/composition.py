@@ -17,9 +17,10 @@ span times the GPUs; the signal the paper's controller computed at the smallest 
 queues grow whatever a short window shows: the change that lowers the load most is made, if it
 lowers it by a fifth of the margin. The replay has no prefix caches, so it cannot see what a
 split costs in cached context (a re-carved cache, workers each able to keep fewer whole
-contexts): when the pool's live working set that is reused (the router's, `serving.policy.live_set`) is
-at least its KV capacity, the caches and not the compute bind the pool, and no split is made
-(on the agent sessions the splits made there cost +69 % mean TTFT; eval/RESULTS.md). The best candidate is made only when its predicted
+contexts): when the pool's reused live working set (the router's, `serving.policy.live_set`,
+`kv_pressure`) is at least its KV capacity, the caches and not the compute bind the pool, and
+no split is made (on the agent sessions the splits made there cost +69 % mean TTFT;
+eval/RESULTS.md). The best candidate is made only when its predicted
 mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
 change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
 split, or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates

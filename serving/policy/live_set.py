@@ -11,8 +11,9 @@ then evicted other sessions' contexts, which were prefilled again (eval/RESULTS.
 Here a block is *live* on worker w when a request placed on w within the last `horizon_s`
 seconds uses it (the working-set model: Denning, "The working set model for program
 behavior", CACM 1968; the window is the horizon). With `live_w` the live blocks of w,
-`K_w` its KV capacity (blocks) and `new_w = ceil(L / B) - m_w` the blocks the request must
-write there (its prefix `m_w` is cached or promised), the live blocks it evicts are at most
+`K_w` its KV capacity (blocks) and `new_w = floor(L / B) - m_w` the full blocks the request
+must write there (its prefix `m_w` is cached or promised; a partial last block is never
+cached), the live blocks it evicts are
 
     over_w = min(new_w, live_w + new_w - K_w)            (0 when the live set still fits)
 
@@ -23,25 +24,24 @@ expected cost
 
 the prefill's latency (weighted as the request's own, beta) and its GPU-seconds (lambda), the
 two terms of the placement cost, times `p`, the probability that a live block is asked for
-again, estimated online as the share of recently placed blocks that were already live on
-their worker (`reuse_rate`: 0.97 on the agent sessions at load 0.3, 0.26 on production at 0.9,
-where most blocks are used once). Without `p` the charge fell on every cold placement once the
-live sets of a 300 s window exceeded the workers' KV, a second cache-miss price that cost up to
-11 % at low load on production, long documents and Tool-Agent (eval/RESULTS.md). T from
-position 0 underestimates a re-prefill deep inside a long context (its attention spans the
-prefix before it). Only full blocks
-count (`input_len // B`: a partial last block is never cached). `new_w` counts the request's
-cached blocks as known: blocks cached but no longer live become live again without a write,
-so `over_w` underestimates by at most those. Workers that leave the pool (split, merge,
-a lost host) keep their live blocks until the horizon passes: their contexts moved into the
-new workers' caches, so the pool's live working set (`total`) still counts them. Where every
-worker's live set fits E is 0 and placement is unchanged; a live set counts every block placed
-within the horizon, reused or not, so with small workers it can exceed the KV capacity on
-production traffic too (eval/RESULTS.md says what that costs at low load).
+again, estimated online per placement as the share of its blocks already live on its worker,
+averaged over recent placements (`reuse_rate`: 0.97 on the agent sessions at load 0.3, 0.26
+on production at 0.9, where most blocks are used once). Without `p` the charge fell on every
+cold placement once the live sets of a 300 s window exceeded the workers' KV, a second
+cache-miss price that cost up to 11 % at low load on production, long documents and
+Tool-Agent (eval/RESULTS.md).
+
+Approximations: T from position 0 underestimates a re-prefill deep inside a long context (its
+attention spans the prefix before it); blocks cached but no longer live become live again
+without a write, so `over_w` underestimates by at most those. Workers that leave the pool
+(split, merge, a lost host) keep their live blocks until the horizon passes: their contexts
+moved into the new workers' caches, so the pool's live working set (`total`) counts them
+where no active worker has them live. Where every worker's live set fits E is 0 and placement
+is unchanged; a live set counts every block placed within the horizon, reused or not, so with
+small workers it can exceed the KV capacity on production traffic too.
 
 Plain Python over plain data; `now` is passed in, never read from a clock.
 """
-
 
 from __future__ import annotations
 
