@@ -240,14 +240,12 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
     if d is not None and initial == "replay" and d.requests:
         options = [c for c in compositions(pool.num_gpus, degrees) if max(c) >= need]
-        live = live_horizon_s
-        routers = {"cost": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="worker",
-                                                   live_horizon_s=live),
-                   "cost-degree": lambda: VertumnusRouter(beta=beta, lam=lam, gpu_cost="degree",
-                                                          live_horizon_s=live),
+        knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s)
+        routers = {"cost": lambda: VertumnusRouter(gpu_cost="worker", **knobs),
+                   "cost-degree": lambda: VertumnusRouter(gpu_cost="degree", **knobs),
                    "fetch": lambda: FetchingVertumnusRouter(
-                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s, beta=beta, lam=lam,
-                       scaleout_gb_per_s=pool.scaleout_gb_per_s, live_horizon_s=live)}
+                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
+                       scaleout_gb_per_s=pool.scaleout_gb_per_s, **knobs)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
         elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (

@@ -25,7 +25,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from serving.api_models import KVTransferParams, StreamOptions
+from serving.api_models import OpenAIRequest
 from serving.tokenizer import read_tokenizer_config
 
 # The ChatML layout of the Qwen3 family (without its tool and thinking branches).
@@ -59,22 +59,14 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(BaseModel):
-    """`POST /v1/chat/completions` (OpenAI's fields the pool can honour)."""
+class ChatCompletionRequest(OpenAIRequest):
+    """`POST /v1/chat/completions` (OpenAI's fields the pool can honour; the shared ones in
+    `OpenAIRequest`)."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1, le=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=1)
-    temperature: float | None = Field(None, ge=0.0, strict=True, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
-    seed: StrictInt | None = None
-    n: StrictInt = Field(1, ge=1, le=1)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
     add_generation_prompt: StrictBool = True
-    kv_transfer_params: KVTransferParams | None = None
 
 
 def load_chat_template(model_dir: str | None) -> str:

@@ -47,7 +47,25 @@ class KVTransferParams(BaseModel):
         return v
 
 
-class CompletionRequest(BaseModel):
+class OpenAIRequest(BaseModel):
+    """The fields `CompletionRequest` and the chat request (`serving.api_chat`) share, as
+    OpenAI's: `model`, the sampling fields (accepted; the first token is greedy), `n` (1 only),
+    `stream` and `stream_options`, and vLLM's `kv_transfer_params`. Unknown fields are kept
+    (`extra="allow"`) for the API to log and ignore."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, strict=True, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
+    seed: StrictInt | None = None
+    n: StrictInt = Field(1, ge=1, le=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class CompletionRequest(OpenAIRequest):
     """`POST /v1/completions`.
 
     Attributes:
@@ -61,25 +79,15 @@ class CompletionRequest(BaseModel):
         `do_remote_decode` the prompt's KV is held for a decode side (`serving.api_kv`).
     """
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
     # str | list[int] | list[str] | list[list[int]], checked by `_prompt_shape` in one pass
     # that stops at the first bad item (a pydantic union would record an error per item and
     # branch: minutes and gigabytes for a 16 MiB body of them).
     prompt: Any
     max_tokens: StrictInt = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0, strict=True, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
-    seed: StrictInt | None = None
-    n: StrictInt = Field(1, ge=1, le=1)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     user: str | None = None
     stop: str | list[str] | None = None
-    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -128,17 +128,15 @@ class VertumnusRouter:
 
     def _eviction_costs(self, request: Request, candidates: Sequence[WorkerState],
                         matched_blocks: Sequence[int], now: float) -> list[float] | None:
-        """`E_w` per candidate, or None when there is none (no live sets, or all fit)."""
-        if self.live is None:
-            return None
+        """`E_w` per candidate, or None when every one is 0 (callers check `self.live` first:
+        without live sets neither this nor `_placed` is called, on the hot path)."""
         return self.live.eviction_costs(request, candidates, matched_blocks, now,
                                         self.cost_model.predict, self.beta, self.lam)
 
     def _placed(self, request: Request, worker: WorkerState, now: float) -> None:
-        """Records the choice in the live working sets (when the cost charges evictions)."""
-        if self.live is not None:
-            full = request.input_len // request.block_size
-            self.live.touch(worker.spec.worker_id, request.block_hashes[:full], now)
+        """Records the choice in the live working sets."""
+        full = request.input_len // request.block_size
+        self.live.touch(worker.spec.worker_id, request.block_hashes[:full], now)
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
