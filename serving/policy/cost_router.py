@@ -120,18 +120,17 @@ class VertumnusRouter:
                 if r > 0:
                     q += r
             out.append(q + beta * t + lam * g)
-        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
-            if self.live is not None else None
-        if evict:  # added where `choose` adds it, so both give the same floats
-            out = [c + e for c, e in zip(out, evict)]
+        if self.live is not None:  # added where `choose` adds it, so both give the same floats
+            self._add_eviction_costs(out, request, candidates, matched_blocks, now)
         return [c - lam * ref for c, ref in zip(out, refs)]
 
-    def _eviction_costs(self, request: Request, candidates: Sequence[WorkerState],
-                        matched_blocks: Sequence[int], now: float) -> list[float] | None:
-        """`E_w` per candidate, or None when every one is 0 (callers check `self.live` first:
+    def _add_eviction_costs(self, costs: list[float], request: Request,
+                            candidates: Sequence[WorkerState], matched_blocks: Sequence[int],
+                            now: float) -> None:
+        """Adds `E_w` to each candidate's cost in place (callers check `self.live` first:
         without live sets neither this nor `_placed` is called, on the hot path)."""
-        return self.live.eviction_costs(request, candidates, matched_blocks, now,
-                                        self.cost_model.predict, self.beta, self.lam)
+        self.live.add_eviction_costs(costs, request, candidates, matched_blocks, now,
+                                     self.cost_model.predict, self.beta, self.lam)
 
     def _placed(self, request: Request, worker: WorkerState, now: float) -> None:
         """Records the choice in the live working sets."""
@@ -178,10 +177,8 @@ class VertumnusRouter:
                     q += r
             append(q + st[0] + st[1])
         base = -lam * cheapest
-        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
-            if self.live is not None else None
-        if evict:
-            partial = [p + e for p, e in zip(partial, evict)]
+        if self.live is not None:
+            self._add_eviction_costs(partial, request, candidates, matched_blocks, now)
         k = len(partial)
         start = self._rotation % k
         self._rotation += 1
@@ -233,10 +230,8 @@ class VertumnusRouter:
                 if r > 0:
                     q += r
             append(q + e)
-        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
-            if self.live is not None else None
-        if evict:
-            total = [t + e for t, e in zip(total, evict)]
+        if self.live is not None:
+            self._add_eviction_costs(total, request, candidates, matched_blocks, now)
         k = len(total)
         start = self._rotation % k
         self._rotation += 1

@@ -152,10 +152,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
         lam = self.lam
         # Q_w + beta * S_w + lam * (C_w * S_w - cheapest), added in that order
         costs = [a + lam * (p[4] - cheapest) for a, p in zip(part, st)]
-        evict = self._eviction_costs(request, candidates, matched_blocks, now) \
-            if self.live is not None else None
-        if evict:
-            costs = [c + e for c, e in zip(costs, evict)]
+        if self.live is not None:
+            self._add_eviction_costs(costs, request, candidates, matched_blocks, now)
         return costs, st
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],

@@ -89,7 +89,7 @@ class LiveWorkingSet:
         self._touches = 0
         self._reused = 0.0  # per placement, the share of its blocks live there, decayed sum
         self._placed = 0.0  # placements, decayed the same way (`reuse_rate`)
-        self._memo: dict[tuple[int, int], float] = {}  # (C, blocks) -> E, for `_memo_for`
+        self._memo: dict[int, float] = {}  # C << 32 | blocks -> E / p, for `_memo_for`
         self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
 
     def _expire(self, now: float) -> None:
@@ -101,8 +101,9 @@ class LiveWorkingSet:
             t, w, hashes = log.popleft()
             last = lasts.get(w)
             if last is not None:
+                get = last.get
                 for h in hashes:
-                    if last.get(h) == t:
+                    if get(h) == t:
                         del last[h]
 
     def size(self, worker_id: int, now: float) -> int:
@@ -120,11 +121,13 @@ class LiveWorkingSet:
         last = self._last.get(worker_id)
         if last is None:
             last = self._last[worker_id] = {}
-        if block_hashes:
-            share = len(last.keys() & block_hashes) / len(block_hashes)
+        fresh = dict.fromkeys(block_hashes, now)
+        before = len(last)
+        last.update(fresh)
+        if block_hashes:  # (distinct blocks live before: those `update` did not add)
+            share = (len(fresh) - (len(last) - before)) / len(block_hashes)
             self._reused = self._reused * REUSE_DECAY + share
             self._placed = self._placed * REUSE_DECAY + 1.0
-        last.update(dict.fromkeys(block_hashes, now))
         self._log.append((now, worker_id, block_hashes))
         self._touches += 1
         if not self._touches % 1024:  # workers no longer placed on (they left the pool)
@@ -193,35 +196,45 @@ class LiveWorkingSet:
           predict: the prefill-time model `T(cp_degree, input_len, cached_len) -> seconds`.
           beta, lam: the placement cost's weights (`VertumnusRouter`).
         """
+        out = [0.0] * len(candidates)
+        if self.add_eviction_costs(out, request, candidates, matched_blocks, now, predict, beta,
+                                   lam):
+            return out
+        return None
+
+    def add_eviction_costs(self, costs: list[float], request: Request,
+                           candidates: Sequence[WorkerState], matched_blocks: Sequence[int],
+                           now: float, predict: Callable[[int, int, int], float], beta: float,
+                           lam: float) -> bool:
+        """Adds `E_w` to `costs[i]` for each candidate i whose `E_w` is not 0 (the routers' hot
+        path: no list is built); arguments as `eviction_costs`. Returns whether any was added.
+        """
         bs = request.block_size
         need = request.input_len // bs
-        out = None
         if self._memo_for != (predict, beta, lam, bs):
             self._memo, self._memo_for = {}, (predict, beta, lam, bs)
         self._expire(now)
-        memo, lasts = self._memo, self._last
+        memo, get_last = self._memo, self._last.get
+        p = self.reuse_rate
+        added = False
         for i, (w, m) in enumerate(zip(candidates, matched_blocks)):  # `overflow_blocks`, inlined
             new = need - m
             if new <= 0:
                 continue
             spec = w.spec
-            last = lasts.get(spec.worker_id)
-            cap = spec.kv_capacity_blocks
+            last = get_last(spec.worker_id)
             if last is None:
                 continue
-            over = len(last) + new - cap
+            over = len(last) + new - spec.kv_capacity_blocks
             if over <= 0:
                 continue
             if over > new:
                 over = new
-            if out is None:
-                out = [0.0] * len(candidates)
             c = spec.cp_degree
-            e = memo.get((c, over))
+            key = c << 32 | over  # (over < 2**32: blocks of one prompt)
+            e = memo.get(key)
             if e is None:
-                e = memo[(c, over)] = (beta + lam * c) * predict(c, over * bs, 0)
-            out[i] = e
-        if out is not None:
-            p = self.reuse_rate
-            out = [e * p for e in out]
-        return out
+                e = memo[key] = (beta + lam * c) * predict(c, over * bs, 0)
+            costs[i] += e * p
+            added = True
+        return added

@@ -116,6 +116,33 @@ def test_eviction_costs_by_hand_and_none_when_every_live_set_fits():
     assert once.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam) == [0.0, 0.0]
 
 
+def test_add_eviction_costs_adds_in_place_what_eviction_costs_returns():
+    live = LiveWorkingSet(60.0)
+    warm(live, 0, list(range(1000, 1016)))
+    warm(live, 2, list(range(2000, 2030)))  # worker 2: 30 live of 32
+    cands = [worker(0, 2, 20), worker(1, 4, 40), worker(2, 4, 32)]
+    r = request("r", 8)
+    rng = np.random.default_rng(0)
+    base = list(rng.uniform(0.1, 2.0, size=3))
+    e = live.eviction_costs(r, cands, [0, 0, 3], 1.0, Linear.predict, 1.0, 2.0)
+    assert e[0] > 0 and e[1] == 0.0 and e[2] > 0  # worker 2: min(5, 30 + 5 - 32) = 3 evicted
+    costs = list(base)
+    assert live.add_eviction_costs(costs, r, cands, [0, 0, 3], 1.0, Linear.predict, 1.0, 2.0)
+    assert costs == [b + x for b, x in zip(base, e)]  # the same floats, added in place
+    costs = list(base)  # nothing evicted anywhere: the costs are left as they were
+    assert not live.add_eviction_costs(costs, r, cands, [8, 8, 8], 1.0, Linear.predict, 1.0,
+                                       2.0)
+    assert costs == base
+
+
+def test_reuse_share_counts_a_repeated_hash_once():
+    live = LiveWorkingSet(60.0)
+    live.touch(0, [1, 2], 0.0)
+    live.touch(0, [1, 1, 3, 4], 1.0)  # distinct blocks live before: {1}; share 1/4
+    assert live.reuse_rate == pytest.approx(0.25 / (0.999 + 1))
+    assert live.size(0, 1.0) == 4
+
+
 @pytest.mark.parametrize("gpu_cost", ["worker", "degree"])
 def test_router_moves_a_cold_request_off_a_worker_whose_live_context_it_would_evict(gpu_cost):
     # Worker 0 is idle but 16 of its 20 blocks are live (reused: p = 0.5); worker 1 has 0.2 s
