@@ -9,6 +9,9 @@ noise, only what it would know live (a fitted profile and past requests). Unlike
 queueing replay of `serving.policy.whatif`, this one has the workers' prefix caches, so it sees
 that more, smaller workers keep fewer prefixes warm, and what a prefix fetch costs and saves.
 The option of least mean TTFT wins (fewer failed requests first; ties to the earlier option).
+A router that prices evicting live context prices it here at the share of placed blocks
+reused (`LiveWorkingSet(rate="reuse")`): the sample starts from empty caches and is too short
+for contexts to be lost and asked for again, which the served router's rate counts.
 
 Cost: (compositions x routers) short simulations, about 1-3 s per system on one core; the
 answer is remembered for the same arguments (the other Vertumnus variants of a run).
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 from eval.sim.simulator import SimConfig, simulate
+from serving.policy.live_set import LiveWorkingSet
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.request import Request
 from serving.policy.router import Router
@@ -64,7 +68,11 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
     scores: dict[tuple[tuple[int, ...], str], tuple[int, float]] = {}
     for comp in options:
         for name, make in routers.items():
-            records = simulate(sample, workers(comp), cost_model, make(), cost_model.predict,
+            router = make()
+            live = getattr(router, "live", None)
+            if isinstance(live, LiveWorkingSet):  # (module doc)
+                router.live = LiveWorkingSet(live.horizon_s, rate="reuse")
+            records = simulate(sample, workers(comp), cost_model, router, cost_model.predict,
                                config, prefix_index=PrefixIndex())
             ok = [r.ttft for r in records if r.ok]
             scores[(tuple(comp), name)] = (len(records) - len(ok),

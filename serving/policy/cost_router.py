@@ -31,8 +31,8 @@ prefilled again (`serving.policy.live_set`):
 
 with `over_w` the blocks of w's live working set (the blocks requests placed on w in the last
 `live_horizon_s` seconds use) that r's new blocks push out of w's KV capacity (0 while the
-live set fits), and `p` the observed share of placed blocks that were already live where
-placed (the chance an evicted live block is asked for again).
+live set fits), and `p` the observed chance that a live block pushed out is asked for again
+(`LiveWorkingSet.victim_reuse_rate`).
 """
 
 from __future__ import annotations
@@ -132,10 +132,14 @@ class VertumnusRouter:
         self.live.add_eviction_costs(costs, request, candidates, matched_blocks, now,
                                      self.cost_model.predict, self.beta, self.lam)
 
-    def _placed(self, request: Request, worker: WorkerState, now: float) -> None:
-        """Records the choice in the live working sets."""
+    def _placed(self, request: Request, worker: WorkerState, now: float, matched: int,
+                pool_matched: int) -> None:
+        """Records the choice in the live working sets (`matched`: the request's blocks cached
+        or promised on `worker`; `pool_matched`: the most on any candidate)."""
         full = request.input_len // request.block_size
-        self.live.touch(worker.spec.worker_id, request.block_hashes[:full], now)
+        spec = worker.spec
+        self.live.touch(spec.worker_id, request.block_hashes[:full], now, matched, pool_matched,
+                        spec.kv_capacity_blocks, request.request_id)
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
@@ -195,7 +199,8 @@ class VertumnusRouter:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {[p + base for p in partial]}")
         if self.live is not None:
-            self._placed(request, candidates[best], now)
+            self._placed(request, candidates[best], now, matched_blocks[best],
+                         max(matched_blocks))
         return best
 
     def _choose_by_degree(self, request: Request, candidates: Sequence[WorkerState],
@@ -246,5 +251,6 @@ class VertumnusRouter:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {total}")
         if self.live is not None:
-            self._placed(request, candidates[best], now)
+            self._placed(request, candidates[best], now, matched_blocks[best],
+                         max(matched_blocks))
         return best

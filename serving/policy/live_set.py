@@ -23,13 +23,23 @@ expected cost
     E_w = p * (beta + lambda * C_w) * T(C_w, over_w * B, 0)   seconds
 
 the prefill's latency (weighted as the request's own, beta) and its GPU-seconds (lambda), the
-two terms of the placement cost, times `p`, the probability that a live block is asked for
-again, estimated online per placement as the share of its blocks already live on its worker,
-averaged over recent placements (`reuse_rate`: 0.97 on the agent sessions at load 0.3, 0.26
-on production at 0.9, where most blocks are used once). Without `p` the charge fell on every
-cold placement once the live sets of a 300 s window exceeded the workers' KV, a second
-cache-miss price that cost up to 11 % at low load on production, long documents and
-Tool-Agent (eval/RESULTS.md).
+two terms of the placement cost, times `p`, the chance that a live block pushed out is asked
+for again, estimated online (`victim_reuse_rate`) as
+
+    p = (live blocks asked for again after the pool lost them) / (sum of over_w placed)
+
+both summed over recent placements. A block is lost when it is live on some worker yet
+cached or promised on none of the candidates of the request asking for it: a miss the caches'
+capacity caused, as the ghost lists of ARC count them (Megiddo and Modha, "ARC: A
+Self-Tuning, Low Overhead Replacement Cache", FAST 2003). The denominator is the same `over_w`
+the charge uses, so p calibrates it: live blocks already evicted are counted again by later
+placements, and p falls by as much. Measured: 0.25 on the agent sessions at load 0.3, 0.12 on
+production at 0.9, 0 on the Tool-Agent generator, whose agents ask for their context again
+within seconds (99 % of reuses within 12 s) while a worker's cache turns over in about a
+minute, so every block pushed out is dead and the charge is off. The first estimate, the
+share of a placement's blocks already live on its worker (`reuse_rate`: 0.97, 0.38 and 0.44
+there), charged those dead evictions: +9 % mean TTFT on Tool-Agent at load 1.0, no hit gained
+(eval/RESULTS.md).
 
 Approximations: T from position 0 underestimates a re-prefill deep inside a long context (its
 attention spans the prefix before it); blocks cached but no longer live become live again
@@ -72,23 +82,34 @@ class LiveWorkingSet:
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
         finite and > 0.
+      rate: the `p` the eviction cost uses: "victims" (`victim_reuse_rate`, the default) or
+        "reuse" (`reuse_rate`). A short replay from empty caches (`eval.whatif_sim`) uses
+        "reuse": no context has been lost yet there, so `victim_reuse_rate` reads 0 wherever
+        anything is pushed out, and the share of placed blocks reused stands in for it.
 
     Raises:
-      ValueError: horizon_s not finite and > 0.
+      ValueError: horizon_s not finite and > 0, or an unknown rate.
     """
 
-    __slots__ = ("horizon_s", "_last", "_log", "_touches", "_memo", "_memo_for", "_reused",
-                 "_placed")
+    __slots__ = ("horizon_s", "_last", "_anywhere", "_requests", "_log", "_touches", "_memo",
+                 "_memo_for", "_reused", "_placed", "_lost", "_pushed", "rate")
 
-    def __init__(self, horizon_s: float) -> None:
+    def __init__(self, horizon_s: float, rate: str = "victims") -> None:
         if not 0.0 < horizon_s < float("inf"):
             raise ValueError(f"horizon_s must be finite and > 0 seconds, got {horizon_s}")
+        if rate not in ("victims", "reuse"):
+            raise ValueError(f"rate must be 'victims' or 'reuse', got {rate!r}")
         self.horizon_s = float(horizon_s)
+        self.rate = rate
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
-        self._log: deque = deque()  # (time, worker, block hashes), in placement order
+        self._anywhere: dict[int, float] = {}  # block -> last placement time, on any worker
+        self._requests: dict = {}  # request id -> its placement time, within the horizon
+        self._log: deque = deque()  # (time, worker, block hashes, request id), in order
         self._touches = 0
         self._reused = 0.0  # per placement, the share of its blocks live there, decayed sum
         self._placed = 0.0  # placements, decayed the same way (`reuse_rate`)
+        self._lost = 0.0  # per placement, live blocks cached nowhere, decayed sum
+        self._pushed = 0.0  # per placement, its `over_w`, decayed the same way
         self._memo: dict[int, float] = {}  # C << 32 | blocks -> E / p, for `_memo_for`
         self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
 
@@ -96,15 +117,21 @@ class LiveWorkingSet:
         """Drops the blocks whose last placement is more than `horizon_s` before `now` (each
         placement's entry is visited once, in time order, whichever worker it was on)."""
         log, limit = self._log, now - self.horizon_s
-        lasts = self._last
+        lasts, anywhere, requests = self._last, self._anywhere, self._requests
+        last_anywhere = anywhere.get
         while log and log[0][0] < limit:
-            t, w, hashes = log.popleft()
+            t, w, hashes, rid = log.popleft()
+            if rid is not None and requests.get(rid) == t:
+                del requests[rid]
             last = lasts.get(w)
-            if last is not None:
-                get = last.get
-                for h in hashes:
-                    if get(h) == t:
-                        del last[h]
+            if last is None:
+                last = {}
+            get = last.get
+            for h in hashes:
+                if last_anywhere(h) == t:
+                    del anywhere[h]
+                if get(h) == t:
+                    del last[h]
 
     def size(self, worker_id: int, now: float) -> int:
         """Live blocks of `worker_id` at `now` (0 for a worker never placed on). Placements
@@ -113,22 +140,49 @@ class LiveWorkingSet:
         last = self._last.get(worker_id)
         return len(last) if last is not None else 0
 
-    def touch(self, worker_id: int, block_hashes: Sequence[int], now: float) -> None:
+    def touch(self, worker_id: int, block_hashes: Sequence[int], now: float,
+              matched_blocks: int | None = None, pool_matched_blocks: int = 0,
+              capacity_blocks: int = 0, request_id=None) -> None:
         """Records that a request whose full blocks are `block_hashes` was placed on
         `worker_id` at `now` (what left the window is dropped first: memory stays bounded by
-        the blocks placed within one horizon)."""
+        the blocks placed within one horizon).
+
+        Args:
+          worker_id, block_hashes, now: the placement.
+          matched_blocks: the request's leading blocks cached or promised on `worker_id` when
+            it was placed (the router's `m_w`), or None to leave `victim_reuse_rate` as it is.
+          pool_matched_blocks: the most leading blocks cached or promised on any candidate.
+          capacity_blocks: the worker's KV capacity (blocks).
+          request_id: the request's id, or None. A request placed again within the horizon
+            (re-routed when its worker drained for a split or merge) leaves
+            `victim_reuse_rate` as it is: its blocks are live from its first placement, not
+            lost.
+        """
         self._expire(now)
         last = self._last.get(worker_id)
         if last is None:
             last = self._last[worker_id] = {}
+        requests = self._requests
+        if matched_blocks is not None and block_hashes and request_id not in requests:
+            # `over_w` of this placement, and the live blocks it asks for again that no
+            # candidate holds any more (live somewhere within the horizon: evicted since)
+            new = len(block_hashes) - matched_blocks
+            over = min(new, len(last) + new - capacity_blocks)
+            anywhere = self._anywhere
+            lost = len(anywhere.keys() & block_hashes[pool_matched_blocks:])
+            self._lost = self._lost * REUSE_DECAY + lost
+            self._pushed = self._pushed * REUSE_DECAY + (over if over > 0 else 0)
         fresh = dict.fromkeys(block_hashes, now)
         before = len(last)
         last.update(fresh)
+        self._anywhere.update(fresh)
         if block_hashes:  # (distinct blocks live before: those `update` did not add)
             share = (len(fresh) - (len(last) - before)) / len(block_hashes)
             self._reused = self._reused * REUSE_DECAY + share
             self._placed = self._placed * REUSE_DECAY + 1.0
-        self._log.append((now, worker_id, block_hashes))
+        if request_id is not None:
+            requests[request_id] = now
+        self._log.append((now, worker_id, block_hashes, request_id))
         self._touches += 1
         if not self._touches % 1024:  # workers no longer placed on (they left the pool)
             self.total(now)
@@ -159,12 +213,27 @@ class LiveWorkingSet:
 
     @property
     def reuse_rate(self) -> float:
-        """`p` of the module docstring: per placement, the share of its blocks already live on
-        the worker it was placed on, averaged over the recent placements (the one k placements
-        ago weighed `REUSE_DECAY ** k`; each placement counts once, whatever its size); 1
-        before any placement. Blocks live on another worker (a session moved, or its worker
-        was split or merged) count as not reused: p reads low for a while after a change."""
+        """The reuse rate the controller's split veto reads (`composition.kv_pressure`): per
+        placement, the share of its blocks already live on the worker it was placed on,
+        averaged over the recent placements (the one k placements ago weighed
+        `REUSE_DECAY ** k`; each placement counts once, whatever its size); 1 before any
+        placement. Blocks live on another worker (a session moved, or its worker was split or
+        merged) count as not reused: it reads low for a while after a change."""
         return self._reused / self._placed if self._placed else 1.0
+
+    @property
+    def victim_reuse_rate(self) -> float:
+        """`p` of the module docstring: live blocks asked for again after the pool's caches
+        lost them, per live block a placement was predicted to push out (`over_w` of the
+        chosen worker), both summed over the recent placements recorded with their match
+        (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1; 1 while no
+        placement has been predicted to push any out. A block counts as lost when it is live
+        on some worker (placed within the horizon) yet cached or promised on no candidate of
+        the request asking for it (blocks held only by workers draining for a split or merge
+        count as lost too)."""
+        if not self._pushed:
+            return 1.0
+        return min(1.0, self._lost / self._pushed)
 
     def forget(self, worker_id: int) -> None:
         """Drops a worker's live set (its entries left in the log are skipped)."""
@@ -215,7 +284,7 @@ class LiveWorkingSet:
             self._memo, self._memo_for = {}, (predict, beta, lam, bs)
         self._expire(now)
         memo, get_last = self._memo, self._last.get
-        p = self.reuse_rate
+        p = self.victim_reuse_rate if self.rate == "victims" else self.reuse_rate
         added = False
         for i, (w, m) in enumerate(zip(candidates, matched_blocks)):  # `overflow_blocks`, inlined
             new = need - m

@@ -41,3 +41,22 @@ def test_choice_matches_separate_simulations_and_prefers_the_faster_option():
     assert scores[((4,), "cost")][1] < scores[((2, 2), "cost")][1] < scores[((1, 1, 1, 1), "cost")][1]
     with pytest.raises(ValueError):
         replay_choice([], {"cost": VertumnusRouter}, sample, workers, Linear())
+
+
+def test_replay_prices_evictions_at_the_reuse_share():
+    # The replay starts from empty caches and is too short for contexts to be lost and asked
+    # for again: a router with live sets gets one whose eviction cost uses the share of placed
+    # blocks reused (here every prompt is placed twice on its worker: shares 0, 1, 0, 1, ...).
+    made = []
+
+    def make():
+        made.append(VertumnusRouter(live_horizon_s=60.0))
+        return made[-1]
+
+    sample = [Request(f"r{i}", i * 0.5, 2000, 1, chain_block_hashes(
+        [(i // 2) * 10 + k for k in range(4)]), 512) for i in range(20)]
+    replay_choice([[4]], {"cost": make}, sample, workers, Linear())
+    [router] = made
+    assert router.live.rate == "reuse"
+    assert router.live.size(0, 10.0) == 10 * 3  # 10 distinct prompts of 3 full blocks
+    assert 0.3 < router.live.reuse_rate < 0.7

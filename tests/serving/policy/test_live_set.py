@@ -40,11 +40,13 @@ def worker(wid, c, capacity, queued=0.0):
 
 
 def warm(live, worker_id, blocks, t=0.0):
-    """Places `blocks` on the worker twice (the second time all are reused there); returns the
-    reuse rate p that leaves: shares 0 then 1, so 1 / (0.999 + 1)."""
+    """Places `blocks` on the worker twice (the second time all are reused there), without
+    their matches: `victim_reuse_rate` stays 1 (no placement predicted to push any out), which
+    it returns."""
     live.touch(worker_id, blocks, t)
     live.touch(worker_id, blocks, t)
-    return 1.0 / (REUSE_DECAY + 1.0)
+    assert live.victim_reuse_rate == 1.0
+    return 1.0
 
 
 def request(rid, blocks, first=0, t=0.0):
@@ -70,6 +72,26 @@ def test_horizon_must_be_finite_and_positive(horizon):
         LiveWorkingSet(horizon)
     with pytest.raises(ValueError, match="horizon_s"):
         VertumnusRouter(live_horizon_s=horizon)
+
+
+def test_rate_chooses_the_p_of_the_eviction_cost():
+    with pytest.raises(ValueError, match="rate must be 'victims' or 'reuse'"):
+        LiveWorkingSet(60.0, rate="share")
+    cands, r = [worker(0, 2, 20)], request("r", 8)
+    e = {}
+    for rate in ("victims", "reuse"):
+        live = LiveWorkingSet(60.0, rate=rate)
+        live.touch(0, list(range(1000, 1016)), 0.0, 0, 0, 20)
+        live.touch(0, list(range(1000, 1016)), 0.5, 16, 16, 20)  # reused: share 1, nothing lost
+        live.touch(0, list(range(2000, 2004)), 0.6, 0, 0, 20)  # 0 pushed out
+        live.touch(0, list(range(3000, 3008)), 0.7, 0, 0, 20)  # 8 pushed out, none lost
+        assert live.victim_reuse_rate == 0.0
+        assert live.reuse_rate == pytest.approx(REUSE_DECAY ** 2 / (
+            REUSE_DECAY ** 3 + REUSE_DECAY ** 2 + REUSE_DECAY + 1))
+        e[rate] = live.eviction_costs(r, cands, [0], 1.0, Linear.predict, 1.0, 1.0)
+    assert e["victims"] == [0.0]  # every block pushed out so far was dead
+    over = 8  # 28 live + 8 new on 20: at most the 8 it writes
+    assert e["reuse"] == pytest.approx([live.reuse_rate * 3 * Linear.predict(2, over * 512, 0)])
 
 
 def test_overflow_blocks_by_hand():
@@ -110,10 +132,40 @@ def test_eviction_costs_by_hand_and_none_when_every_live_set_fits():
     assert out == pytest.approx([p * (beta + lam * 2) * Linear.predict(2, over * 512, 0), 0.0])
     # with 6 of its blocks cached on worker 0 it writes 2 there: 18 <= 20, nothing evicted
     assert live.eviction_costs(r, cands, [6, 0], 1.0, Linear.predict, beta, lam) is None
-    # blocks placed once and never again (one-off prompts): p = 0, evicting them costs nothing
+    # blocks placed once and never asked for again (one-off prompts): the second placement
+    # pushes out min(16, 16 + 16 - 20) = 12 live blocks, none is lost and asked for again, so
+    # p = 0 and evicting them costs nothing
     once = LiveWorkingSet(60.0)
-    once.touch(0, list(range(1000, 1016)), 0.0)
+    once.touch(0, list(range(1000, 1016)), 0.0, 0, 0, 20)
+    once.touch(0, list(range(2000, 2016)), 0.5, 0, 0, 20)
+    assert once.victim_reuse_rate == 0.0
     assert once.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam) == [0.0, 0.0]
+
+
+def test_victim_reuse_rate_by_hand():
+    live = LiveWorkingSet(60.0)
+    a, b = list(range(1, 9)), list(range(11, 19))
+    live.touch(0, a, 0.0, 0, 0, 10)  # 8 blocks on 10: nothing pushed out
+    assert live.victim_reuse_rate == 1.0  # nothing predicted pushed out yet
+    live.touch(0, b, 1.0, 0, 0, 10)  # min(8, 8 + 8 - 10) = 6 pushed out, nothing lost
+    assert live.victim_reuse_rate == 0.0
+    # a comes back on worker 1; its first 5 blocks are still cached on some candidate, the
+    # other 3 are live (placed 2 s ago) but cached nowhere: lost. Worker 1 pushes nothing out.
+    live.touch(1, a, 2.0, 0, 5, 10)
+    assert live.victim_reuse_rate == pytest.approx(3 / (6 * REUSE_DECAY))
+    live.touch(1, b, 3.0, 0, 0, 10)  # all 8 of b lost; worker 1 pushes out 6 of a's
+    assert live.victim_reuse_rate == pytest.approx(
+        (3 * REUSE_DECAY + 8) / (6 * REUSE_DECAY ** 2 + 6))
+    live.touch(2, list(range(100, 140)), 4.0, 0, 0, 10)  # 30 over: lost stays, capped at 1
+    assert 0.0 < live.victim_reuse_rate < 1.0
+    live.touch(0, a, 70.0, 0, 0, 10)  # past the horizon a is not live anywhere: not lost
+    assert live._lost == pytest.approx((3 * REUSE_DECAY + 8) * REUSE_DECAY ** 2)
+    live.touch(3, a, 71.0, 0, 8, 10, request_id="x")  # a is cached on a candidate: not lost
+    rate = live.victim_reuse_rate
+    live.touch(4, a, 72.0, 0, 0, 10, request_id="x")  # x re-routed: its own blocks not lost
+    assert live.victim_reuse_rate == rate
+    live.touch(5, a, 73.0, 0, 0, 10, request_id="y")  # another request: all 8 of a lost
+    assert live.victim_reuse_rate > rate
 
 
 def test_add_eviction_costs_adds_in_place_what_eviction_costs_returns():
@@ -145,10 +197,10 @@ def test_reuse_share_counts_a_repeated_hash_once():
 
 @pytest.mark.parametrize("gpu_cost", ["worker", "degree"])
 def test_router_moves_a_cold_request_off_a_worker_whose_live_context_it_would_evict(gpu_cost):
-    # Worker 0 is idle but 16 of its 20 blocks are live (reused: p = 0.5); worker 1 has 0.2 s
-    # queued and nothing live. An 8-block cold request evicts 4 live blocks on worker 0:
-    # E_0 = p (1 + 1 * 2) T(2, 2048, 0) = 0.5 * 3 * 1.034 s, more than worker 1's queue, so it
-    # goes to worker 1. Without the live term it goes to the idle worker 0 (the contrast shows
+    # Worker 0 is idle but 16 of its 20 blocks are live (p = 1: nothing pushed out yet); worker
+    # 1 has 0.2 s queued and nothing live. An 8-block cold request evicts 4 live blocks on
+    # worker 0: E_0 = p (1 + 1 * 2) T(2, 2048, 0) = 3 * 1.034 s, more than worker 1's queue, so
+    # it goes to worker 1. Without the live term it goes to the idle worker 0 (the contrast shows
     # the check can fail).
     cands = [worker(0, 2, 20), worker(1, 2, 20, queued=0.2)]
     r = request("r", 8)
@@ -220,6 +272,31 @@ def test_no_split_while_the_reused_live_set_exceeds_the_kv_capacity(kv_blocks_pe
         assert ratios[-1] >= 1.0
     if unique:
         assert router.live.reuse_rate == 0.0
+        assert router.live.victim_reuse_rate == 0.0
+
+
+@pytest.mark.parametrize("kv_blocks_per_device, unique, rate",
+                         [(100, False, "high"), (1000, False, 1.0), (100, True, 0.0)])
+def test_victim_reuse_rate_of_sessions_and_of_one_off_prompts(kv_blocks_per_device, unique,
+                                                              rate):
+    # 40 sessions of an 8-block context, each asked again every ~20 s (within the 60 s
+    # horizon), on two workers of 100 blocks: 320 context blocks for 200 cached, so contexts
+    # pushed out come back (most of them: the rate is high). With 1,000 blocks nothing is
+    # pushed out (1). With a new context every time nothing comes back (0).
+    rng = np.random.default_rng(3)
+    times = np.cumsum(rng.exponential(0.5, 400)).tolist()
+    reqs = [Request(f"r{i}", t, 8 * 512 + 100, 1, chain_block_hashes(
+        ([10_000_000 + i * 8 + k for k in range(8)] if unique else
+         [(i % 40) * 8 + k for k in range(8)]) + [1_000_000 + i]), 512)
+        for i, t in enumerate(times)]
+    router = VertumnusRouter(live_horizon_s=60.0)
+    simulate(reqs, layout_workers([1, 1], kv_blocks_per_device, 100_000), COST, router,
+             COST.predict, SimConfig(kv_transfer_gb_per_s=0.0, first_token_seconds=0.0,
+                                     tick_interval=1.0))
+    if rate == "high":
+        assert 0.5 < router.live.victim_reuse_rate <= 1.0
+    else:
+        assert router.live.victim_reuse_rate == rate
 
 
 def test_total_counts_a_context_moved_to_a_successor_once():
