@@ -4,7 +4,7 @@ Runs, in the simulator, every system on five workloads at increasing request rat
 (model, degrees) setups, plus the reconfiguration experiment (time-varying demand), the ablation
 of the prefix-cache manager and sensitivity sweeps of the router and controller knobs. Writes
 `<output_dir>/paper_results.json`, `<output_dir>/tables.md` and one plot per (setup, workload);
-`eval/RESULTS.md` discusses them. Takes about 15 minutes on one core (`--quick`: 2 minutes).
+`eval/RESULTS.md` discusses them. Takes about 15 minutes on one core (`--quick`: 3-4 minutes).
 
 Workloads: `production` = Mooncake conversation trace, `leval` = Mooncake synthetic trace
 (ShareGPT + L-Eval + LooGLE, the long-context stand-in), `toolagent` = the built-in generator,

@@ -136,7 +136,10 @@ class VertumnusRouter:
                 pool_matched: int) -> None:
         """Records the choice in the live working sets (`matched`: the request's blocks cached
         or promised on `worker`; `pool_matched`: the most on any candidate)."""
-        full = request.input_len // request.block_size
+        n, bs = request.input_len, request.block_size
+        full = n // bs
+        if pool_matched >= (n - 1) // bs:  # matches stop there: the last full block of a
+            pool_matched = full  # prompt of k * B tokens is never matched, so never lost
         spec = worker.spec
         self.live.touch(spec.worker_id, request.block_hashes[:full], now, matched, pool_matched,
                         spec.kv_capacity_blocks, request.request_id)

@@ -37,9 +37,12 @@ placements, and p falls by as much. Measured: 0.25 on the agent sessions at load
 production at 0.9, 0 on the Tool-Agent generator, whose agents ask for their context again
 within seconds (99 % of reuses within 12 s) while a worker's cache turns over in about a
 minute, so every block pushed out is dead and the charge is off. The first estimate, the
-share of a placement's blocks already live on its worker (`reuse_rate`: 0.97, 0.38 and 0.44
-there), charged those dead evictions: +9 % mean TTFT on Tool-Agent at load 1.0, no hit gained
-(eval/RESULTS.md).
+share of a placement's blocks already live on its worker (`reuse_rate`: 0.97 on the agent
+sessions, 0.44 on Tool-Agent), charged those dead evictions: +9 % mean TTFT on Tool-Agent at
+load 1.0, no hit gained (eval/RESULTS.md). Misses that are not the caches' doing count as lost
+too, an overestimate of p: a live block whose holder cannot take the request (not ACTIVE, or
+its KV too small for the grown prompt), held only by a worker draining for a split or merge,
+or placed by a request that was aborted before its prefill ran and is asked for again.
 
 Approximations: T from position 0 underestimates a re-prefill deep inside a long context (its
 attention spans the prefix before it); blocks cached but no longer live become live again
@@ -82,7 +85,7 @@ class LiveWorkingSet:
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
         finite and > 0.
-      rate: the `p` the eviction cost uses: "victims" (`victim_reuse_rate`, the default) or
+      rate: the `p` the eviction cost uses (read-only): "victims" (`victim_reuse_rate`, the default) or
         "reuse" (`reuse_rate`). A short replay from empty caches (`eval.whatif_sim`) uses
         "reuse": no context has been lost yet there, so `victim_reuse_rate` reads 0 wherever
         anything is pushed out, and the share of placed blocks reused stands in for it.
@@ -92,7 +95,7 @@ class LiveWorkingSet:
     """
 
     __slots__ = ("horizon_s", "_last", "_anywhere", "_requests", "_log", "_touches", "_memo",
-                 "_memo_for", "_reused", "_placed", "_lost", "_pushed", "rate")
+                 "_memo_for", "_reused", "_placed", "_lost", "_pushed", "_rate")
 
     def __init__(self, horizon_s: float, rate: str = "victims") -> None:
         if not 0.0 < horizon_s < float("inf"):
@@ -100,7 +103,7 @@ class LiveWorkingSet:
         if rate not in ("victims", "reuse"):
             raise ValueError(f"rate must be 'victims' or 'reuse', got {rate!r}")
         self.horizon_s = float(horizon_s)
-        self.rate = rate
+        self._rate = rate
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
         self._anywhere: dict[int, float] = {}  # block -> last placement time, on any worker
         self._requests: dict = {}  # request id -> its placement time, within the horizon
@@ -133,6 +136,11 @@ class LiveWorkingSet:
                 if get(h) == t:
                     del last[h]
 
+    @property
+    def rate(self) -> str:
+        """"victims" or "reuse": the `p` of the eviction cost (constructor)."""
+        return self._rate
+
     def size(self, worker_id: int, now: float) -> int:
         """Live blocks of `worker_id` at `now` (0 for a worker never placed on). Placements
         are expected in time order; one recorded out of order leaves with those before it."""
@@ -151,13 +159,24 @@ class LiveWorkingSet:
           worker_id, block_hashes, now: the placement.
           matched_blocks: the request's leading blocks cached or promised on `worker_id` when
             it was placed (the router's `m_w`), or None to leave `victim_reuse_rate` as it is.
-          pool_matched_blocks: the most leading blocks cached or promised on any candidate.
-          capacity_blocks: the worker's KV capacity (blocks).
+          pool_matched_blocks: the most leading blocks cached or promised on any candidate,
+            >= matched_blocks (blocks from there on that are live somewhere count as lost).
+          capacity_blocks: the worker's KV capacity (blocks), >= 1 with matched_blocks.
           request_id: the request's id, or None. A request placed again within the horizon
             (re-routed when its worker drained for a split or merge) leaves
             `victim_reuse_rate` as it is: its blocks are live from its first placement, not
             lost.
+
+        Raises:
+          ValueError: with matched_blocks, pool_matched_blocks < matched_blocks or
+            capacity_blocks < 1 (nothing is recorded).
         """
+        if matched_blocks is not None and not (pool_matched_blocks >= matched_blocks
+                                               and capacity_blocks >= 1):
+            raise ValueError(
+                f"touch needs pool_matched_blocks >= matched_blocks and capacity_blocks >= 1, "
+                f"got pool_matched_blocks={pool_matched_blocks}, matched_blocks="
+                f"{matched_blocks}, capacity_blocks={capacity_blocks}")
         self._expire(now)
         last = self._last.get(worker_id)
         if last is None:
@@ -284,7 +303,9 @@ class LiveWorkingSet:
             self._memo, self._memo_for = {}, (predict, beta, lam, bs)
         self._expire(now)
         memo, get_last = self._memo, self._last.get
-        p = self.victim_reuse_rate if self.rate == "victims" else self.reuse_rate
+        p = self.victim_reuse_rate if self._rate == "victims" else self.reuse_rate
+        if not p:  # every E_w is 0
+            return False
         added = False
         for i, (w, m) in enumerate(zip(candidates, matched_blocks)):  # `overflow_blocks`, inlined
             new = need - m

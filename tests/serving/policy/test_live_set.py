@@ -77,6 +77,8 @@ def test_horizon_must_be_finite_and_positive(horizon):
 def test_rate_chooses_the_p_of_the_eviction_cost():
     with pytest.raises(ValueError, match="rate must be 'victims' or 'reuse'"):
         LiveWorkingSet(60.0, rate="share")
+    with pytest.raises(AttributeError):
+        LiveWorkingSet(60.0).rate = "reuse"  # fixed at construction
     cands, r = [worker(0, 2, 20)], request("r", 8)
     e = {}
     for rate in ("victims", "reuse"):
@@ -89,7 +91,7 @@ def test_rate_chooses_the_p_of_the_eviction_cost():
         assert live.reuse_rate == pytest.approx(REUSE_DECAY ** 2 / (
             REUSE_DECAY ** 3 + REUSE_DECAY ** 2 + REUSE_DECAY + 1))
         e[rate] = live.eviction_costs(r, cands, [0], 1.0, Linear.predict, 1.0, 1.0)
-    assert e["victims"] == [0.0]  # every block pushed out so far was dead
+    assert e["victims"] is None  # every block pushed out so far was dead: every E_w is 0
     over = 8  # 28 live + 8 new on 20: at most the 8 it writes
     assert e["reuse"] == pytest.approx([live.reuse_rate * 3 * Linear.predict(2, over * 512, 0)])
 
@@ -139,7 +141,31 @@ def test_eviction_costs_by_hand_and_none_when_every_live_set_fits():
     once.touch(0, list(range(1000, 1016)), 0.0, 0, 0, 20)
     once.touch(0, list(range(2000, 2016)), 0.5, 0, 0, 20)
     assert once.victim_reuse_rate == 0.0
-    assert once.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam) == [0.0, 0.0]
+    assert once.eviction_costs(r, cands, [0, 0], 1.0, Linear.predict, beta, lam) is None
+
+
+def test_touch_refuses_a_pool_match_below_the_workers_and_no_capacity():
+    live = LiveWorkingSet(60.0)
+    with pytest.raises(ValueError, match="pool_matched_blocks >= matched_blocks"):
+        live.touch(0, [1, 2, 3], 0.0, 2, 1, 10)
+    with pytest.raises(ValueError, match="capacity_blocks >= 1"):
+        live.touch(0, [1, 2, 3], 0.0, 0, 0)
+    assert live.size(0, 0.0) == 0  # nothing recorded
+
+
+@pytest.mark.parametrize("input_len", [4 * 512, 4 * 512 + 100])
+def test_a_prompt_placed_again_where_it_is_cached_loses_nothing(input_len):
+    # The same prompt, 30 times, on workers that never evict: its blocks are live and cached,
+    # so nothing is lost, also when its length is a multiple of the block size (the scheduler
+    # never matches that prompt's last full block, which must not count as lost).
+    router = VertumnusRouter(cost_model=Linear, live_horizon_s=60.0)
+    cands = [worker(0, 2, 1000), worker(1, 2, 1000)]
+    hashes = chain_block_hashes(range(-(-input_len // 512)))
+    for i in range(30):
+        r = Request(f"r{i}", i * 0.1, input_len, 1, hashes, 512)
+        cap = (input_len - 1) // 512  # `max_cacheable_blocks`: the matches stop there
+        router.choose(r, cands, [cap if i else 0] * 2, i * 0.1)
+    assert router.live._lost == 0.0
 
 
 def test_victim_reuse_rate_by_hand():
