@@ -7,8 +7,8 @@ hit a cached chain part-way, miss entirely, or hit fully. Routers: least work, t
 placement cost, and that cost with the live-context price of the default `vertumnus`
 (`live_horizon_s=300`: every decision also prices evictions and records the placement in the
 live working sets, which here outgrow the workers' KV, so the price is computed for every
-candidate). Prints p50 / p99 / max in microseconds per router and writes JSON. Target (issue "The Vertumnus policies"): p99 <= 100 us
-with 20 workers and a million blocks.
+candidate). Prints p50 / p99 / max in microseconds per router and writes JSON. Target (issue
+"The Vertumnus policies"): p99 <= 100 us with 20 workers and a million blocks.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def main(argv):
             yield Request(i, 0.0, _CHAIN * 512, 1, hashes, 512)
 
     rows = []
-    routers = [("least work", LeastWorkRouter()), ("vertumnus (the paper's cost)", VertumnusRouter()),
+    routers = [("least work", LeastWorkRouter()),
+               ("vertumnus (the paper's cost)", VertumnusRouter()),
                (f"vertumnus, live sets of {DEFAULT_HORIZON_S:.0f} s",
                 VertumnusRouter(live_horizon_s=DEFAULT_HORIZON_S))]
     for label, router in routers:

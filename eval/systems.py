@@ -238,14 +238,19 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     d = pool.demand
     if d is not None:  # keep a worker able to hold the longest prompt seen
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
+    knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s)
+
+    def make_router(fetching: bool, g: str) -> VertumnusRouter:
+        if fetching:
+            return FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
+                                           scaleout_gb_per_s=pool.scaleout_gb_per_s, **knobs)
+        return VertumnusRouter(gpu_cost=g, **knobs)
+
     if d is not None and initial == "replay" and d.requests:
         options = [c for c in compositions(pool.num_gpus, degrees) if max(c) >= need]
-        knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s)
-        routers = {"cost": lambda: VertumnusRouter(gpu_cost="worker", **knobs),
-                   "cost-degree": lambda: VertumnusRouter(gpu_cost="degree", **knobs),
-                   "fetch": lambda: FetchingVertumnusRouter(
-                       pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
-                       scaleout_gb_per_s=pool.scaleout_gb_per_s, **knobs)}
+        routers = {"cost": lambda: make_router(False, "worker"),
+                   "cost-degree": lambda: make_router(False, "degree"),
+                   "fetch": lambda: make_router(True, gpu_cost)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
         elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
@@ -280,12 +285,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     if cache_manager:
         setup.append(PrefixCacheManager(cache_config or CacheManagerConfig(),
                                         pool.kv_transfer_gb_per_s, pool.scaleout_gb_per_s).attach)
-    router = (FetchingVertumnusRouter(pool.kv_bytes_per_token, pool.kv_transfer_gb_per_s,
-                                      beta=beta, lam=lam, scaleout_gb_per_s=pool.scaleout_gb_per_s,
-                                      live_horizon_s=live_horizon_s)
-              if fetch else VertumnusRouter(beta=beta, lam=lam, gpu_cost=gpu_cost,
-                                            live_horizon_s=live_horizon_s))
-    return System(name, pool.workers(comp), router, setup=setup,
+    return System(name, pool.workers(comp), make_router(bool(fetch), gpu_cost), setup=setup,
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 

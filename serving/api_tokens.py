@@ -69,9 +69,8 @@ def add_token_routes(app: FastAPI, *, tokenizer, vocab_size: int, max_model_len:
       check_model: raises the API's 404 for a `model` the server does not serve.
       error: `(status, message, param) -> exception` the app answers with OpenAI's error body.
       chat_ids: `(messages, add_generation_prompt, add_special_tokens) -> ids` of the chat
-        endpoint
-        (`serving.api_chat.chat_prompt_ids` with the server's template); without it `messages`
-        is a 400.
+        endpoint (`serving.api_chat.chat_prompt_ids` with the server's template); without it
+        `messages` is a 400.
     """
 
     @app.post("/tokenize")

@@ -132,17 +132,16 @@ class VertumnusRouter:
         self.live.add_eviction_costs(costs, request, candidates, matched_blocks, now,
                                      self.cost_model.predict, self.beta, self.lam)
 
-    def _placed(self, request: Request, worker: WorkerState, now: float, matched: int,
-                pool_matched: int) -> None:
-        """Records the choice in the live working sets (`matched`: the request's blocks cached
-        or promised on `worker`; `pool_matched`: the most on any candidate)."""
-        n, bs = request.input_len, request.block_size
-        full = n // bs
-        if pool_matched >= (n - 1) // bs:  # matches stop there: the last full block of a
-            pool_matched = full  # prompt of k * B tokens is never matched, so never lost
-        spec = worker.spec
-        self.live.touch(spec.worker_id, request.block_hashes[:full], now, matched, pool_matched,
-                        spec.kv_capacity_blocks, request.request_id)
+    def _placed(self, request: Request, candidates: Sequence[WorkerState],
+                matched_blocks: Sequence[int], best: int, now: float) -> None:
+        """Records the choice of `candidates[best]` in the live working sets."""
+        full = request.full_blocks
+        pool_matched = max(matched_blocks)
+        if pool_matched >= request.max_cacheable_blocks:  # matches stop there: the last full
+            pool_matched = full  # block of a prompt of k * B tokens is never matched, nor lost
+        spec = candidates[best].spec
+        self.live.touch(spec.worker_id, request.block_hashes[:full], now, matched_blocks[best],
+                        pool_matched, spec.kv_capacity_blocks, request.request_id)
 
     def choose(self, request: Request, candidates: Sequence[WorkerState],
                matched_blocks: Sequence[int], now: float) -> int:
@@ -202,8 +201,7 @@ class VertumnusRouter:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {[p + base for p in partial]}")
         if self.live is not None:
-            self._placed(request, candidates[best], now, matched_blocks[best],
-                         max(matched_blocks))
+            self._placed(request, candidates, matched_blocks, best, now)
         return best
 
     def _choose_by_degree(self, request: Request, candidates: Sequence[WorkerState],
@@ -254,6 +252,5 @@ class VertumnusRouter:
             raise ValueError(f"no finite placement cost for request {request.request_id!r}: the "
                              f"cost model returned {total}")
         if self.live is not None:
-            self._placed(request, candidates[best], now, matched_blocks[best],
-                         max(matched_blocks))
+            self._placed(request, candidates, matched_blocks, best, now)
         return best

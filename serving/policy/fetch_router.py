@@ -197,8 +197,7 @@ class FetchingVertumnusRouter(VertumnusRouter):
         if copied:
             self.fetches.plan(request, candidates[best].spec.worker_id, length)
         if self.live is not None:
-            self._placed(request, candidates[best], now, matched_blocks[best],
-                         max(matched_blocks))
+            self._placed(request, candidates, matched_blocks, best, now)
         return best
 
     def _cached_blocks(self, request: Request, candidates: Sequence[WorkerState]) -> list[int]:

@@ -85,10 +85,10 @@ class LiveWorkingSet:
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
         finite and > 0.
-      rate: the `p` the eviction cost uses (read-only): "victims" (`victim_reuse_rate`, the default) or
-        "reuse" (`reuse_rate`). A short replay from empty caches (`eval.whatif_sim`) uses
-        "reuse": no context has been lost yet there, so `victim_reuse_rate` reads 0 wherever
-        anything is pushed out, and the share of placed blocks reused stands in for it.
+      rate: the `p` the eviction cost uses (read-only): "victims" (`victim_reuse_rate`, the
+        default) or "reuse" (`reuse_rate`). A short replay from empty caches (`eval.whatif_sim`)
+        uses "reuse": no context has been lost yet there, so `victim_reuse_rate` reads 0
+        wherever anything is pushed out, and the share of placed blocks reused stands in for it.
 
     Raises:
       ValueError: horizon_s not finite and > 0, or an unknown rate.
@@ -203,8 +203,13 @@ class LiveWorkingSet:
             requests[request_id] = now
         self._log.append((now, worker_id, block_hashes, request_id))
         self._touches += 1
-        if not self._touches % 1024:  # workers no longer placed on (they left the pool)
-            self.total(now)
+        if not self._touches % 1024:
+            self._forget_empty()
+
+    def _forget_empty(self) -> None:
+        """Forgets workers with nothing live (they left the pool, or are no longer placed on)."""
+        for w in [w for w, last in self._last.items() if not last]:
+            self.forget(w)
 
     def total(self, now: float, active: Sequence[int] | None = None) -> int:
         """The pool's live blocks at `now`: the sum over the `active` workers' live sets, plus
@@ -217,8 +222,7 @@ class LiveWorkingSet:
         left are still live), at set-operation speed; O(workers) otherwise.
         """
         self._expire(now)
-        for w in [w for w, last in self._last.items() if not last]:
-            self.forget(w)
+        self._forget_empty()
         lasts = self._last
         if active is None:
             return sum(len(last) for last in lasts.values())
