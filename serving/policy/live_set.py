@@ -77,7 +77,13 @@ DEFAULT_HORIZON_S = 300.0
 class LiveWorkingSet:
     """Per worker, the blocks used by requests placed on it within the last `horizon_s`.
 
-    Costs: `touch` O(request blocks); `size` amortized O(1) (each block leaves the window once);
+    Block hashes are hash chains (`Request.block_hashes`: block k's hash fixes every block
+    before it), so the blocks of one chain live on a worker are a prefix of it; the costs below
+    rely on that. One dictionary a worker holds its live blocks; whether a block is live on
+    any worker is asked of each worker's (`_live_anywhere`), with no pool-wide copy to keep.
+
+    Costs: `touch` O(request blocks + workers); `size` amortized O(1) (each block leaves the
+    window once, and an expiring placement's walk stops at its first block used again since);
     `eviction_costs` O(candidates) plus one prediction per new (degree, blocks) overflow
     (remembered while the cost model, weights and block size stay the same: a cost model
     changed in place, which `PrefillCostModel` never is, would need a new `LiveWorkingSet`).
@@ -94,8 +100,8 @@ class LiveWorkingSet:
       ValueError: horizon_s not finite and > 0, or an unknown rate.
     """
 
-    __slots__ = ("horizon_s", "_last", "_anywhere", "_requests", "_log", "_touches", "_memo",
-                 "_memo_for", "_reused", "_placed", "_lost", "_pushed", "_rate")
+    __slots__ = ("horizon_s", "_last", "_requests", "_log", "_touches", "_memo", "_memo_for",
+                 "_reused", "_placed", "_lost", "_pushed", "_rate")
 
     def __init__(self, horizon_s: float, rate: str = "victims") -> None:
         if not 0.0 < horizon_s < float("inf"):
@@ -105,7 +111,6 @@ class LiveWorkingSet:
         self.horizon_s = float(horizon_s)
         self._rate = rate
         self._last: dict[int, dict[int, float]] = {}  # worker -> block -> last placement time
-        self._anywhere: dict[int, float] = {}  # block -> last placement time, on any worker
         self._requests: dict = {}  # request id -> its placement time, within the horizon
         self._log: deque = deque()  # (time, worker, block hashes, request id), in order
         self._touches = 0
@@ -118,23 +123,25 @@ class LiveWorkingSet:
 
     def _expire(self, now: float) -> None:
         """Drops the blocks whose last placement is more than `horizon_s` before `now` (each
-        placement's entry is visited once, in time order, whichever worker it was on)."""
+        placement's entry is visited once, in time order, whichever worker it was on).
+
+        Of one placement's blocks, those no later placement on its worker used again are a
+        suffix of its chain (a placement that uses block k uses every block before it), so
+        the walk goes from the chain's end and stops at the first block used again since."""
         log, limit = self._log, now - self.horizon_s
-        lasts, anywhere, requests = self._last, self._anywhere, self._requests
-        last_anywhere = anywhere.get
+        lasts, requests = self._last, self._requests
         while log and log[0][0] < limit:
             t, w, hashes, rid = log.popleft()
             if rid is not None and requests.get(rid) == t:
                 del requests[rid]
             last = lasts.get(w)
             if last is None:
-                last = {}
+                continue
             get = last.get
-            for h in hashes:
-                if last_anywhere(h) == t:
-                    del anywhere[h]
-                if get(h) == t:
-                    del last[h]
+            for h in reversed(hashes):
+                if get(h) != t:
+                    break
+                del last[h]
 
     @property
     def rate(self) -> str:
@@ -156,7 +163,8 @@ class LiveWorkingSet:
         the blocks placed within one horizon).
 
         Args:
-          worker_id, block_hashes, now: the placement.
+          worker_id, block_hashes, now: the placement; `block_hashes` is the request's hash
+            chain from its first block (`Request.block_hashes`, full blocks only).
           matched_blocks: the request's leading blocks cached or promised on `worker_id` when
             it was placed (the router's `m_w`), or None to leave `victim_reuse_rate` as it is.
           pool_matched_blocks: the most leading blocks cached or promised on any candidate,
@@ -187,14 +195,12 @@ class LiveWorkingSet:
             # candidate holds any more (live somewhere within the horizon: evicted since)
             new = len(block_hashes) - matched_blocks
             over = min(new, len(last) + new - capacity_blocks)
-            anywhere = self._anywhere
-            lost = len(anywhere.keys() & block_hashes[pool_matched_blocks:])
+            lost = self._live_anywhere(block_hashes, pool_matched_blocks) - pool_matched_blocks
             self._lost = self._lost * REUSE_DECAY + lost
             self._pushed = self._pushed * REUSE_DECAY + (over if over > 0 else 0)
         fresh = dict.fromkeys(block_hashes, now)
         before = len(last)
         last.update(fresh)
-        self._anywhere.update(fresh)
         if block_hashes:  # (distinct blocks live before: those `update` did not add)
             share = (len(fresh) - (len(last) - before)) / len(block_hashes)
             self._reused = self._reused * REUSE_DECAY + share
@@ -205,6 +211,30 @@ class LiveWorkingSet:
         self._touches += 1
         if not self._touches % 1024:
             self._forget_empty()
+
+    def _live_anywhere(self, block_hashes: Sequence[int], start: int) -> int:
+        """The length of the longest prefix of the chain `block_hashes` live on some worker,
+        when its first `start` blocks are taken as live (`start` if none past them is).
+
+        A worker's live blocks of one chain are a prefix of it (a placement that uses block k
+        uses every block before it, at the same time), so each worker is asked whether it has
+        the next block beyond the longest prefix found so far, and by bisection how far its
+        own goes: O(workers + log(blocks)) lookups, no pool-wide set to keep up."""
+        n, best = len(block_hashes), start
+        for last in self._last.values():
+            if best >= n:
+                break
+            if block_hashes[best] not in last:
+                continue
+            lo, hi = best, n - 1  # block_hashes[lo] is live here; find the last one that is
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if block_hashes[mid] in last:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo + 1
+        return best
 
     def _forget_empty(self) -> None:
         """Forgets workers with nothing live (they left the pool, or are no longer placed on)."""
@@ -259,7 +289,8 @@ class LiveWorkingSet:
         return min(1.0, self._lost / self._pushed)
 
     def forget(self, worker_id: int) -> None:
-        """Drops a worker's live set (its entries left in the log are skipped)."""
+        """Drops a worker's live set (its entries left in the log are skipped); its blocks
+        are no longer live on it, nor counted as lost when asked for again."""
         self._last.pop(worker_id, None)
 
     def overflow_blocks(self, worker: WorkerState, new_blocks: int, now: float) -> int:

@@ -55,12 +55,14 @@ def request(rid, blocks, first=0, t=0.0):
 
 def test_live_set_counts_distinct_blocks_and_forgets_them_after_the_horizon():
     live = LiveWorkingSet(10.0)
+    # (hash chains, as `Request.block_hashes`: the second prompt shares the first's first two
+    # blocks, then differs)
     live.touch(0, [1, 2, 3], 0.0)
-    live.touch(0, [2, 3, 4], 5.0)
+    live.touch(0, [1, 2, 4], 5.0)
     live.touch(1, [9], 5.0)
     assert live.size(0, 5.0) == 4 and live.size(1, 5.0) == 1 and live.size(7, 5.0) == 0
     assert live.size(0, 10.0) == 4  # placed at 0, live up to and including t = 10
-    assert live.size(0, 10.5) == 3  # block 1 left; 2 and 3 were placed again at 5
+    assert live.size(0, 10.5) == 3  # block 3 left; 1 and 2 were placed again at 5
     assert live.size(0, 15.5) == 0
     live.forget(1)
     assert live.size(1, 5.0) == 0
@@ -114,9 +116,9 @@ def test_reuse_rate_by_hand():
     assert live.reuse_rate == 1.0  # nothing placed yet: every live block counts
     live.touch(0, [1, 2, 3, 4], 0.0)
     assert live.reuse_rate == 0.0
-    live.touch(0, [3, 4, 5, 6], 1.0)  # 3 and 4 were live on worker 0: a share of 1/2
+    live.touch(0, [1, 2, 5, 6], 1.0)  # 1 and 2 were live on worker 0: a share of 1/2
     assert live.reuse_rate == pytest.approx(0.5 / (0.999 + 1))
-    live.touch(1, [3], 2.0)  # live on worker 0, not on worker 1: not a reuse there
+    live.touch(1, [1], 2.0)  # live on worker 0, not on worker 1: not a reuse there
     assert live.reuse_rate == pytest.approx(0.5 * 0.999 / (0.999 ** 2 + 0.999 + 1))
     live.touch(0, list(range(100, 8100)), 3.0)  # one huge cold placement counts once
     assert live.reuse_rate == pytest.approx(0.5 * 0.999 ** 2 / (0.999 ** 3 + 0.999 ** 2
@@ -396,3 +398,67 @@ def test_controller_ignores_a_router_attribute_that_is_not_a_live_set():
     class Sched:
         router = type("R", (), {"live": True})()
     assert kv_pressure(Sched(), [worker(0, 2, 20)], 0.0) is None
+
+
+class NaiveLiveSets:
+    """The reference for `LiveWorkingSet`'s bookkeeping: per worker every block with its last
+    placement time, filtered whole at each step, and a lost block looked up on every worker
+    (no use of the hash chains' prefix structure)."""
+
+    def __init__(self, horizon_s):
+        self.horizon_s, self.last, self.requests = horizon_s, {}, {}
+        self.lost = self.pushed = 0.0
+
+    def expire(self, now):
+        limit = now - self.horizon_s
+        self.last = {w: {h: t for h, t in last.items() if t >= limit}
+                     for w, last in self.last.items()}
+        self.requests = {r: t for r, t in self.requests.items() if t >= limit}
+
+    def touch(self, w, hashes, now, matched, pool_matched, capacity, rid):
+        self.expire(now)
+        last = self.last.setdefault(w, {})
+        if hashes and rid not in self.requests:
+            new = len(hashes) - matched
+            over = min(new, len(last) + new - capacity)
+            lost = sum(any(h in other for other in self.last.values())
+                       for h in hashes[pool_matched:])
+            self.lost = self.lost * REUSE_DECAY + lost
+            self.pushed = self.pushed * REUSE_DECAY + max(over, 0)
+        last.update(dict.fromkeys(hashes, now))
+        self.requests[rid] = now
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_live_sets_match_a_naive_reference_on_growing_and_branching_sessions(seed):
+    # 30 sessions whose contexts grow by 0-3 blocks a turn, one turn in five a branch (an
+    # edit: a prefix of the context, then new blocks), re-sent requests (the same id within
+    # the horizon), on 4 workers, over 20 horizons: sizes, totals and both rate statistics
+    # equal the naive reference's at every step.
+    rng = np.random.default_rng(seed)
+    live, ref = LiveWorkingSet(10.0), NaiveLiveSets(10.0)
+    sessions = [[s * 1_000_000 + k for k in range(int(rng.integers(1, 6)))] for s in range(30)]
+    now, fresh, last_rid = 0.0, 10_000_000, None
+    for step in range(600):
+        now += float(rng.exponential(0.35))
+        ids = sessions[int(rng.integers(len(sessions)))]
+        if rng.random() < 0.2:  # a branch keeps a prefix of the context
+            del ids[int(rng.integers(0, len(ids) + 1)):]
+        for _ in range(int(rng.integers(0, 4))):
+            ids.append(fresh)
+            fresh += 1
+        hashes = chain_block_hashes(ids)
+        w = int(rng.integers(4))
+        pool_matched = int(rng.integers(0, len(hashes) + 1))
+        matched = int(rng.integers(0, pool_matched + 1))
+        rid = last_rid if last_rid is not None and rng.random() < 0.1 else f"r{step}"
+        last_rid = rid
+        live.touch(w, hashes, now, matched, pool_matched, 12, request_id=rid)
+        ref.touch(w, hashes, now, matched, pool_matched, 12, rid)
+        assert live._lost == ref.lost and live._pushed == ref.pushed, step
+        assert [live.size(v, now) for v in range(4)] == [len(ref.last.get(v, {}))
+                                                          for v in range(4)], step
+        active = [ref.last.get(v, {}) for v in range(3)]  # worker 3 taken as gone
+        assert live.total(now, [0, 1, 2]) == sum(map(len, active)) + len(
+            set(ref.last.get(3, {})).difference(*active)), step
+    assert 0.0 < live.victim_reuse_rate < 1.0  # both kinds of placement occurred
