@@ -7,7 +7,7 @@ hit a cached chain part-way, miss entirely, or hit fully. Routers: least work, t
 placement cost, and that cost with the live-context price of the default `vertumnus`
 (`live_horizon_s=300`: every decision also prices evictions and records the placement in the
 live working sets, which here outgrow the workers' KV, so the price is computed for every
-candidate). Prints p50 / p99 / max in microseconds per router and writes JSON. Target (issue
+candidate; and `congestion_price`, which counts the candidates' queues). Prints p50 / p99 / max in microseconds per router and writes JSON. Target (issue
 "The Vertumnus policies"): p99 <= 100 us with 20 workers and a million blocks.
 """
 
@@ -84,8 +84,8 @@ def main(argv):
     rows = []
     routers = [("least work", LeastWorkRouter()),
                ("vertumnus (the paper's cost)", VertumnusRouter()),
-               (f"vertumnus, live sets of {DEFAULT_HORIZON_S:.0f} s",
-                VertumnusRouter(live_horizon_s=DEFAULT_HORIZON_S))]
+               (f"vertumnus, live sets of {DEFAULT_HORIZON_S:.0f} s, congestion price",
+                VertumnusRouter(live_horizon_s=DEFAULT_HORIZON_S, congestion_price=True))]
     for label, router in routers:
         sched = Scheduler(workers, cost, router, _NoBackend(), prefix_index=index)
         for w, q in zip(sched.workers.values(), rng.uniform(0, 5, len(workers))):

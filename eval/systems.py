@@ -221,7 +221,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                      fetch: bool | None = None, gpu_cost: str = "worker", initial: str = "replay",
                      control: str = "whatif",
                      composition_config: CompositionConfig | None = None,
-                     live_horizon_s: float | None = DEFAULT_HORIZON_S) -> System:
+                     live_horizon_s: float | None = DEFAULT_HORIZON_S,
+                     congestion_price: bool = True) -> System:
     """Vertumnus: placement-cost router, split/merge controller and prefix-cache manager.
 
     `initial`: "replay" starts from the composition and router rule of least mean TTFT when the
@@ -230,7 +231,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     one with the most large-degree workers and enough capacity (`initial_composition`);
     `mixed_degrees` when no demand is known. `control`: "whatif" (`CompositionController`) or
     "paper" (`ReconfigurationController`). `gpu_cost`, `beta`, `lam`, `live_horizon_s` (None:
-    no eviction cost) are the router's; `fetch` forces `FetchingVertumnusRouter` (True) or not.
+    no eviction cost) and `congestion_price` (lambda grows with the backlog) are the router's;
+    `fetch` forces `FetchingVertumnusRouter` (True) or not.
     """
     degrees = sorted(set(pool.degrees))
     ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
@@ -238,7 +240,8 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     d = pool.demand
     if d is not None:  # keep a worker able to hold the longest prompt seen
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
-    knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s)
+    knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s,
+                 congestion_price=congestion_price)
 
     def make_router(fetching: bool, g: str) -> VertumnusRouter:
         if fetching:
@@ -263,7 +266,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         comp, chosen, _ = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
             tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s,
-                 live_horizon_s))
+                 live_horizon_s, congestion_price))
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
     elif d is not None and initial == "whatif" and d.sample:
@@ -298,7 +301,8 @@ MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {
 
 def _paper(name: str, **kw) -> Callable[[PoolConfig], System]:
     """The paper's policy, with `kw` switching this project's changes on one at a time."""
-    base = dict(gpu_cost="worker", initial="paper", control="paper", live_horizon_s=None)
+    base = dict(gpu_cost="worker", initial="paper", control="paper", live_horizon_s=None,
+                congestion_price=False)
     return lambda pool: vertumnus_system(pool, name=name, **{**base, **kw})
 
 

@@ -52,7 +52,7 @@ class Engine(EngineAdmin):
       cost_model: the router's prefill-time estimate (`PrefillCostModel`).
       num_devices: devices of the pool (the controller's capacity).
       router: defaults to `VertumnusRouter(config.beta, config.lam, live_horizon_s=config.
-        live_horizon_s)`.
+        live_horizon_s, congestion_price=config.congestion_price)`.
       hash_prompt: `token_ids -> block hashes` (ceil(L / block_size) of them).
       on_record: called with every `Completion`; more go in `record_hooks` (metrics).
       degrees: CP degrees workers may have after a split or merge (default: those of
@@ -71,7 +71,8 @@ class Engine(EngineAdmin):
         self.num_devices = num_devices
         self._hash_prompt = hash_prompt
         self._router = router or VertumnusRouter(beta=config.beta, lam=config.lam,
-                                                 live_horizon_s=config.live_horizon_s)
+                                                 live_horizon_s=config.live_horizon_s,
+                                                 congestion_price=config.congestion_price)
         self.record_hooks: list[Callable[[Completion], None]] = [on_record] if on_record else []
         self.scheduler: Scheduler | None = None
         self.backend = None

@@ -62,9 +62,15 @@ _LIVE = flags.DEFINE_float("live_horizon_s", 0.0, "Seconds a placed request's bl
                            "for the router's eviction cost (serving.policy.live_set; the "
                            "simulator's vertumnus uses 300); 0 = off, the paper's cost.",
                            lower_bound=0.0)
+_CONGESTION = flags.DEFINE_boolean(
+    "congestion_price", False, "Price the router's GPU time at --lam plus the requests queued "
+    "per GPU (serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
 flags.register_multi_flags_validator(
     ["router", "live_horizon_s"], lambda f: not (f["router"] and f["live_horizon_s"]),
     message="--live_horizon_s sets Vertumnus's own router; it does not apply with --router")
+flags.register_multi_flags_validator(
+    ["router", "congestion_price"], lambda f: not (f["router"] and f["congestion_price"]),
+    message="--congestion_price sets Vertumnus's own router; it does not apply with --router")
 _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
 _CONTROLLER_POLICY = flags.DEFINE_enum(
     "controller_policy", "paper", ["paper", "whatif"], "Which split/merge controller: the paper's "
@@ -178,7 +184,7 @@ def server_config() -> ServerConfig:
         engine = EngineConfig(
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
-            live_horizon_s=_LIVE.value or None,
+            live_horizon_s=_LIVE.value or None, congestion_price=_CONGESTION.value,
             controller=_CONTROLLER.value, controller_config=ctl,
             controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,

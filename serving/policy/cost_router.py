@@ -33,6 +33,25 @@ with `over_w` the blocks of w's live working set (the blocks requests placed on 
 `live_horizon_s` seconds use) that r's new blocks push out of w's KV capacity (0 while the
 live set fits), and `p` the observed chance that a live block pushed out is asked for again
 (`LiveWorkingSet.victim_reuse_rate`).
+
+With `congestion_price` lambda grows with the backlog the whole pool carries (issue 15: past
+saturation a GPU-second spent is a second of delay for every request waiting behind it):
+
+    lambda_eff = lambda + n_min * K / N_gpu
+
+with `n_min` the requests queued (not started) on the least-queued candidate, `K` the
+candidates and `N_gpu` their GPUs: `n_min * K` requests are queued that no idle worker can
+take. A placement's GPU-seconds x then delay the pool's later work by about x / N_gpu (a
+balancing router spreads it), and by Little's law about as many requests as are queued arrive
+while that backlog drains, so x costs the others about x * n_min * K / N_gpu seconds of TTFT:
+the externality a queue's toll prices (P. Naor, "The Regulation of Queue Size by Levying
+Tolls", Econometrica 37(1), 1969; H. Mendelson, "Pricing Computer Services: Queueing
+Effects", CACM 28(3), 1985). While any candidate's queue is empty the cost is the paper's:
+work sent to a busy worker for its cache then idles no GPU. Past saturation cache hits and
+efficient degrees win over a shorter queue, and the live-context price `E_w` weighs the
+GPU-seconds of a re-prefill the same way. Counting every queued request instead (the sum over
+the candidates) was tried first: it concentrated long documents on their holders while other
+workers ran dry, +10.7 % mean TTFT on L-Eval with Qwen3-32B at load 1.5 (eval/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -60,6 +79,8 @@ class VertumnusRouter:
         (against the cheapest degree at w's cached prefix); module doc.
       live_horizon_s: None (the paper's cost, the default), or the window in seconds of the
         workers' live working sets whose evictions the cost charges (`E_w`, module doc).
+      congestion_price: price GPU time at `lam + n_min * K / N_gpu` (module doc); False (the
+        paper's fixed lambda) by default.
 
     Raises:
       ValueError: negative beta or lam, an unknown gpu_cost, or a live_horizon_s that is not
@@ -68,7 +89,7 @@ class VertumnusRouter:
 
     def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus", gpu_cost: str = "worker",
-                 live_horizon_s: float | None = None) -> None:
+                 live_horizon_s: float | None = None, congestion_price: bool = False) -> None:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         if not lam >= 0:
@@ -81,7 +102,22 @@ class VertumnusRouter:
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
         self.live = LiveWorkingSet(live_horizon_s) if live_horizon_s is not None else None
+        self.congestion_price = bool(congestion_price)
         self._rotation = 0
+
+    def gpu_price(self, candidates: Sequence[WorkerState]) -> float:
+        """lambda of this placement, in seconds per GPU-second: `lam`, plus with
+        `congestion_price` the requests queued on the least-queued of `candidates` times
+        their number, per GPU of theirs (module doc)."""
+        if not self.congestion_price or not candidates:
+            return self.lam
+        least, gpus = len(candidates[0].queue), 0
+        for w in candidates:
+            n = len(w.queue)
+            if n < least:
+                least = n
+            gpus += w.spec.cp_degree
+        return self.lam + least * len(candidates) / gpus if least else self.lam
 
     def bind(self, scheduler) -> None:
         if self.cost_model is None:
@@ -104,7 +140,7 @@ class VertumnusRouter:
                 if tg[1] < cheapest:
                     cheapest = tg[1]
             st.append(tg)
-        beta, lam = self.beta, self.lam
+        beta, lam = self.beta, self.gpu_price(candidates)
         if self.gpu_cost == "degree":
             degrees = {w.spec.cp_degree for w in candidates}
             floor = {m: min(c * predict(c, n, m * bs) for c in degrees)
@@ -121,16 +157,17 @@ class VertumnusRouter:
                     q += r
             out.append(q + beta * t + lam * g)
         if self.live is not None:  # added where `choose` adds it, so both give the same floats
-            self._add_eviction_costs(out, request, candidates, matched_blocks, now)
+            self._add_eviction_costs(out, request, candidates, matched_blocks, now, lam)
         return [c - lam * ref for c, ref in zip(out, refs)]
 
     def _add_eviction_costs(self, costs: list[float], request: Request,
                             candidates: Sequence[WorkerState], matched_blocks: Sequence[int],
-                            now: float) -> None:
-        """Adds `E_w` to each candidate's cost in place (callers check `self.live` first:
-        without live sets neither this nor `_placed` is called, on the hot path)."""
+                            now: float, lam: float) -> None:
+        """Adds `E_w` to each candidate's cost in place, GPU time at `lam` (callers check
+        `self.live` first: without live sets neither this nor `_placed` is called, on the hot
+        path)."""
         self.live.add_eviction_costs(costs, request, candidates, matched_blocks, now,
-                                     self.cost_model.predict, self.beta, self.lam)
+                                     self.cost_model.predict, self.beta, lam)
 
     def _placed(self, request: Request, candidates: Sequence[WorkerState],
                 matched_blocks: Sequence[int], best: int, now: float) -> None:
@@ -156,7 +193,7 @@ class VertumnusRouter:
         if self.gpu_cost == "degree":
             return self._choose_by_degree(request, candidates, matched_blocks, now)
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
-        beta, lam = self.beta, self.lam
+        beta, lam = self.beta, self.gpu_price(candidates)
         memo: dict[int, dict[int, tuple[float, float]]] = {}  # C -> m -> (beta*T, lam*C*T)
         partial = []  # Q + beta * S + lambda * C * S, per candidate
         append = partial.append
@@ -184,7 +221,7 @@ class VertumnusRouter:
             append(q + st[0] + st[1])
         base = -lam * cheapest
         if self.live is not None:
-            self._add_eviction_costs(partial, request, candidates, matched_blocks, now)
+            self._add_eviction_costs(partial, request, candidates, matched_blocks, now, lam)
         k = len(partial)
         start = self._rotation % k
         self._rotation += 1
@@ -208,7 +245,7 @@ class VertumnusRouter:
                           matched_blocks: Sequence[int], now: float) -> int:
         """`choose` with G against the cheapest degree at each worker's own match."""
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
-        beta, lam = self.beta, self.lam
+        beta, lam = self.beta, self.gpu_price(candidates)
         seconds: dict[tuple[int, int], float] = {}  # (C, m) -> T(C, L, m * bs)
         extra: dict[tuple[int, int], float] = {}  # (C, m) -> beta * T + lam * G
         degrees = None
@@ -237,7 +274,7 @@ class VertumnusRouter:
                     q += r
             append(q + e)
         if self.live is not None:
-            self._add_eviction_costs(total, request, candidates, matched_blocks, now)
+            self._add_eviction_costs(total, request, candidates, matched_blocks, now, lam)
         k = len(total)
         start = self._rotation % k
         self._rotation += 1

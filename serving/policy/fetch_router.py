@@ -57,6 +57,7 @@ class FetchingVertumnusRouter(VertumnusRouter):
         >= 0; 0 = free. Default `SCALEOUT_GB_PER_S` (25: one 200 Gb/s NIC).
       live_horizon_s: as `VertumnusRouter` (the evictions' cost `E_w` is added to every plan;
         `new_w` counts from w's own prefix, so a fetched prefix counts as written).
+      congestion_price: as `VertumnusRouter` (the copy's time counts in S_w, so in G_w too).
 
     Raises:
       ValueError: an argument outside the ranges above.
@@ -66,8 +67,9 @@ class FetchingVertumnusRouter(VertumnusRouter):
                  beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus-fetch",
                  scaleout_gb_per_s: float = SCALEOUT_GB_PER_S,
-                 live_horizon_s: float | None = None) -> None:
-        super().__init__(beta, lam, cost_model, name, live_horizon_s=live_horizon_s)
+                 live_horizon_s: float | None = None, congestion_price: bool = False) -> None:
+        super().__init__(beta, lam, cost_model, name, live_horizon_s=live_horizon_s,
+                         congestion_price=congestion_price)
         check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
         check_transfer_args(0, scaleout_gb_per_s)
         self.kv_bytes_per_token = int(kv_bytes_per_token)
@@ -149,11 +151,11 @@ class FetchingVertumnusRouter(VertumnusRouter):
             part.append(q + beta * plan[0])
         # (the minimum over the candidates: each one's plan is one of these, first seen first)
         cheapest = min(p[4] for p in plan_of.values())
-        lam = self.lam
+        lam = self.gpu_price(candidates)
         # Q_w + beta * S_w + lam * (C_w * S_w - cheapest), added in that order
         costs = [a + lam * (p[4] - cheapest) for a, p in zip(part, st)]
         if self.live is not None:
-            self._add_eviction_costs(costs, request, candidates, matched_blocks, now)
+            self._add_eviction_costs(costs, request, candidates, matched_blocks, now, lam)
         return costs, st
 
     def costs(self, request: Request, candidates: Sequence[WorkerState],

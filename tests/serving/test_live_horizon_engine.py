@@ -30,3 +30,16 @@ def test_live_engine_default_is_the_papers_cost():
     client, engine = make_client()
     with client:
         assert engine._router.live is None
+
+
+def test_live_engine_prices_congestion_when_asked():
+    # The price itself is checked by hand in tests/serving/policy/test_congestion_price.py;
+    # here the engine's router is the one the config describes, and it serves.
+    client, engine = make_client(congestion_price=True)
+    with client:
+        assert engine._router.congestion_price
+        ids = [(5 * j) % 250 + 1 for j in range(2 * BS + 3)]
+        assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
+    client, engine = make_client()
+    with client:
+        assert not engine._router.congestion_price  # the live default: the paper's lambda

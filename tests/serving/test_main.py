@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from eval.live.client import wait_healthy
 
@@ -28,13 +29,14 @@ def test_bad_flags_exit_with_a_message():
     assert "composition [3, 5]" in out.stderr and "sum to" in out.stderr
 
 
-def test_live_horizon_with_a_plugin_router_is_refused():
-    out = subprocess.run([sys.executable, "-m", "serving.main", "--live_horizon_s=300",
+@pytest.mark.parametrize("flag", ["--live_horizon_s=300", "--congestion_price"])
+def test_router_knobs_with_a_plugin_router_are_refused(flag):
+    out = subprocess.run([sys.executable, "-m", "serving.main", flag,
                           "--router=serving.policy.router:LeastWorkRouter",
                           "--compilation_cache_dir="], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
-    assert "--live_horizon_s sets Vertumnus's own router" in out.stderr
+    assert f"{flag.split('=')[0]} sets Vertumnus's own router" in out.stderr
     assert len(out.stderr.splitlines()) < 10  # the error, not the usage text
 
 
