@@ -96,6 +96,9 @@ class EngineConfig:
                 math.isfinite(self.live_horizon_s) and self.live_horizon_s > 0):
             raise ValueError(f"live_horizon_s must be None or a finite number > 0 seconds, got "
                              f"{self.live_horizon_s}")
+        if not isinstance(self.congestion_price, bool):
+            raise ValueError(f"congestion_price must be True or False, got "
+                             f"{self.congestion_price!r}")
         if not (math.isfinite(self.scaleout_gb_per_s) and self.scaleout_gb_per_s >= 0):
             raise ValueError(f"scaleout_gb_per_s must be a finite number >= 0 GB/s, got "
                              f"{self.scaleout_gb_per_s}")

@@ -83,8 +83,8 @@ class VertumnusRouter:
         paper's fixed lambda) by default.
 
     Raises:
-      ValueError: negative beta or lam, an unknown gpu_cost, or a live_horizon_s that is not
-        finite and > 0.
+      ValueError: negative beta or lam, an unknown gpu_cost, a live_horizon_s that is not
+        finite and > 0, or a congestion_price that is not a bool.
     """
 
     def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
@@ -96,13 +96,15 @@ class VertumnusRouter:
             raise ValueError(f"lam (lambda) must be >= 0, got {lam}")
         if gpu_cost not in ("degree", "worker"):
             raise ValueError(f"gpu_cost must be 'degree' or 'worker', got {gpu_cost!r}")
+        if not isinstance(congestion_price, bool):
+            raise ValueError(f"congestion_price must be True or False, got {congestion_price!r}")
         self.beta, self.lam, self.name = float(beta), float(lam), name
         self.gpu_cost = gpu_cost
         # h_w(r) counts blocks promised by prefills queued on w (FIFO: cached when r starts).
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
         self.live = LiveWorkingSet(live_horizon_s) if live_horizon_s is not None else None
-        self.congestion_price = bool(congestion_price)
+        self.congestion_price = congestion_price
         self._rotation = 0
 
     def gpu_price(self, candidates: Sequence[WorkerState]) -> float:

@@ -95,3 +95,14 @@ def test_engine_config_and_flag_take_the_congestion_price():
     from serving.engine_config import EngineConfig
     assert not EngineConfig().congestion_price  # the live default stays the paper's cost
     assert EngineConfig(congestion_price=True).congestion_price
+
+
+def test_congestion_price_must_be_a_bool():
+    from serving.engine_config import EngineConfig
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match="congestion_price must be True or False"):
+            VertumnusRouter(congestion_price=bad)
+        with pytest.raises(ValueError, match="congestion_price must be True or False"):
+            FetchingVertumnusRouter(0, congestion_price=bad)
+        with pytest.raises(ValueError, match="congestion_price must be True or False"):
+            EngineConfig(congestion_price=bad)
