@@ -44,8 +44,9 @@ class EngineConfig:
       live_horizon_s: None (the paper's placement cost) or the window of the workers' live
         working sets whose eviction the cost charges (`serving.policy.live_set`; the
         simulator's `vertumnus` uses 300), seconds, finite and > 0.
-      congestion_price: price GPU time at `lam` plus the requests queued per GPU
-        (`VertumnusRouter`; the simulator's `vertumnus` does), or at `lam` (the paper's).
+      congestion_price: price GPU time at `lam` plus the backlog every worker carries (the
+        requests queued on the least-queued worker, times the workers, per GPU;
+        `VertumnusRouter`; the simulator's `vertumnus` does), or at `lam` (the paper's).
       controller: run the split/merge controller; `controller_config` its thresholds.
       controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
         "whatif" (`serving.policy.composition.CompositionController`, the simulator's default

@@ -63,8 +63,9 @@ _LIVE = flags.DEFINE_float("live_horizon_s", 0.0, "Seconds a placed request's bl
                            "simulator's vertumnus uses 300); 0 = off, the paper's cost.",
                            lower_bound=0.0)
 _CONGESTION = flags.DEFINE_boolean(
-    "congestion_price", False, "Price the router's GPU time at --lam plus the requests queued "
-    "per GPU (serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
+    "congestion_price", False, "Price the router's GPU time at --lam plus the backlog every "
+    "worker carries: the requests queued on the least-queued worker, times the workers, per GPU "
+    "(serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
 flags.register_multi_flags_validator(
     ["router", "live_horizon_s"], lambda f: not (f["router"] and f["live_horizon_s"]),
     message="--live_horizon_s sets Vertumnus's own router; it does not apply with --router")

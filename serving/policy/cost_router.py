@@ -49,9 +49,12 @@ Tolls", Econometrica 37(1), 1969; H. Mendelson, "Pricing Computer Services: Queu
 Effects", CACM 28(3), 1985). While any candidate's queue is empty the cost is the paper's:
 work sent to a busy worker for its cache then idles no GPU. Past saturation cache hits and
 efficient degrees win over a shorter queue, and the live-context price `E_w` weighs the
-GPU-seconds of a re-prefill the same way. Counting every queued request instead (the sum over
-the candidates) was tried first: it concentrated long documents on their holders while other
-workers ran dry, +10.7 % mean TTFT on L-Eval with Qwen3-32B at load 1.5 (eval/RESULTS.md).
+GPU-seconds of a re-prefill the same way. The what-if models of the composition controller
+(`serving.policy.whatif`, `choose_initial`) still price GPU time at the fixed lambda; the
+simulated replay of the initial choice (`eval.whatif_sim`) runs these routers, price included.
+Counting every queued request instead (the sum over the candidates) was tried first: it
+concentrated long documents on their holders while other workers ran dry, +10.7 % mean TTFT
+on long documents with Qwen3-32B at load 1.5 (eval/RESULTS.md item 7).
 """
 
 from __future__ import annotations

@@ -85,8 +85,15 @@ class LiveWorkingSet:
     Costs: `touch` O(request blocks + workers); `size` amortized O(1) (each block leaves the
     window once, and an expiring placement's walk stops at its first block used again since);
     `eviction_costs` O(candidates) plus one prediction per new (degree, blocks) overflow
-    (remembered while the cost model, weights and block size stay the same: a cost model
-    changed in place, which `PrefillCostModel` never is, would need a new `LiveWorkingSet`).
+    (remembered while the cost model and block size stay the same, whatever the weights: a
+    cost model changed in place, which `PrefillCostModel` never is, would need a new
+    `LiveWorkingSet`).
+
+    Hashes that are not chains (a block after different prefixes, a hash repeated within one
+    prompt) break those costs' premise: an expiring placement's walk can stop early and leave
+    blocks live for good, and a lost block can be missed. Every source of `Request.block_hashes`
+    makes chains (`chain_block_hashes`, `prompt_block_hashes`); a 64-bit collision is the only
+    way there.
 
     Args:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
@@ -118,8 +125,8 @@ class LiveWorkingSet:
         self._placed = 0.0  # placements, decayed the same way (`reuse_rate`)
         self._lost = 0.0  # per placement, live blocks cached nowhere, decayed sum
         self._pushed = 0.0  # per placement, its `over_w`, decayed the same way
-        self._memo: dict[int, float] = {}  # C << 32 | blocks -> E / p, for `_memo_for`
-        self._memo_for: tuple | None = None  # (predict, beta, lam, B) of the memo
+        self._memo: dict[int, float] = {}  # C << 32 | blocks -> T(C, blocks * B, 0)
+        self._memo_for: tuple | None = None  # (predict, B) of the memo
 
     def _expire(self, now: float) -> None:
         """Drops the blocks whose last placement is more than `horizon_s` before `now` (each
@@ -334,8 +341,8 @@ class LiveWorkingSet:
         """
         bs = request.block_size
         need = request.input_len // bs
-        if self._memo_for != (predict, beta, lam, bs):
-            self._memo, self._memo_for = {}, (predict, beta, lam, bs)
+        if self._memo_for != (predict, bs):  # (not the weights: lambda may change per call)
+            self._memo, self._memo_for = {}, (predict, bs)
         self._expire(now)
         memo, get_last = self._memo, self._last.get
         p = self.victim_reuse_rate if self._rate == "victims" else self.reuse_rate
@@ -357,9 +364,9 @@ class LiveWorkingSet:
                 over = new
             c = spec.cp_degree
             key = c << 32 | over  # (over < 2**32: blocks of one prompt)
-            e = memo.get(key)
-            if e is None:
-                e = memo[key] = (beta + lam * c) * predict(c, over * bs, 0)
-            costs[i] += e * p
+            t = memo.get(key)
+            if t is None:
+                t = memo[key] = predict(c, over * bs, 0)
+            costs[i] += (beta + lam * c) * t * p
             added = True
         return added

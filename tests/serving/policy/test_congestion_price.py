@@ -1,4 +1,5 @@
-"""The congestion price of GPU time: lambda + (requests queued) / (GPUs) (issue 15).
+"""The congestion price of GPU time: lambda + n_min * K / N_gpu (issue 15), with n_min the
+requests queued on the least-queued of K candidates and N_gpu their GPUs.
 
 Hand-computed placements with a linear cost model, the price's identity with the paper's cost
 when nothing is queued, and the systems and the serving binary that switch it on.
