@@ -24,9 +24,11 @@ per degree, the fitted cost model). Built in here:
 - `sglang-cp4`, `dynamo-cp4`, `mooncake-cp4`: CP-4 workers with SGLang's cache-aware router,
   Dynamo's KV-router cost and Mooncake's Conductor (`serving.baselines`).
 
-Research users add their own, either with `register_system(name, factory)` (`factory(pool) ->
-System`) or, with no registration, by naming `module:attribute` (see `build_system`): a factory
-of that form, or a router class built with no arguments on `mixed_degrees(num_gpus, degrees)`.
+The data a system is made of and from (`Demand`, `PoolConfig`, `System`) is in
+`eval.system_types`, re-exported here. Research users add their own, either with
+`register_system(name, factory)` (`factory(pool) -> System`) or, with no registration, by
+naming `module:attribute` (see `build_system`): a factory of that form, or a router class built
+with no arguments on `mixed_degrees(num_gpus, degrees)`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 
+from eval.system_types import PARALLELISMS, Demand, PoolConfig, System
 from eval.whatif_sim import replay_choice
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
@@ -49,123 +52,12 @@ from serving.policy.live_set import DEFAULT_HORIZON_S
 from serving.policy.plugins import call_plugin, construct_router, guard_system, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
-from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.router import LeastWorkRouter, Router
-from serving.policy.request import Request
-from serving.policy.scheduler import CostModel, Scheduler
-from serving.policy.worker import WorkerSpec, homogeneous_degrees, layout_workers
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import homogeneous_degrees
 
-
-@dataclasses.dataclass(frozen=True)
-class Demand:
-    """Historical demand of a workload.
-
-    Attributes:
-      rate: requests per second.
-      mean_prefill_seconds: CP degree -> mean predicted prefill time of a request (seconds).
-      max_input_len: the longest prompt seen (tokens).
-      sample: requests `(arrival s, input tokens, expected cached tokens)` at `rate`, sorted,
-        for what-if replays (`serving.policy.whatif`); empty when unknown.
-      requests: the same sample as `Request`s (block hashes included), for simulated what-if
-        replays (`eval.whatif_sim`); empty when unknown.
-      working_set_tokens: the contexts the pool must keep at once in steady state (tokens;
-        closed-loop sessions, `eval.offered_load.SessionLoad.working_set_tokens`); None when
-        unknown.
-    """
-
-    rate: float
-    mean_prefill_seconds: Callable[[int], float]
-    max_input_len: int
-    sample: tuple[tuple[float, int, int], ...] = ()
-    requests: tuple[Request, ...] = ()
-    working_set_tokens: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    """What every system of one comparison shares.
-
-    Attributes:
-      num_gpus: the GPU budget (devices), >= 1.
-      kv_blocks_per_gpu: KV blocks one device holds, >= 1.
-      max_input_len: `cp_degree -> tokens`, the longest prompt a worker of that degree takes.
-      cost_model: the routers' prefill-time estimate (`predict(cp, input_len, cached_len)`).
-      degrees: the CP degrees of the comparison (`--degrees`), for mixed compositions.
-      kv_bytes_per_token: K and V bytes of one token, all layers (the model's KV size); routers
-        that price KV copies between workers use it.
-      kv_transfer_gb_per_s, scaleout_gb_per_s: bandwidth of a KV copy between workers of one
-        host / of two hosts, GB/s (0 = free); `ReplayEnv` passes the simulator's here.
-      parallelism: what a worker's degree means in this pool, "cp" (context parallel) or "tp"
-        (tensor parallel); `cost_model` and `max_input_len` are for that parallelism.
-      demand: the workload's historical `Demand`, for systems that size their initial
-        composition from it; None when unknown.
-    """
-
-    num_gpus: int
-    kv_blocks_per_gpu: int
-    max_input_len: Callable[[int], int]
-    cost_model: CostModel
-    degrees: tuple[int, ...] = (2, 4)
-    kv_bytes_per_token: int = 0
-    kv_transfer_gb_per_s: float = 100.0
-    parallelism: str = "cp"
-    demand: Demand | None = None
-    scaleout_gb_per_s: float = SCALEOUT_GB_PER_S
-
-    def workers(self, degrees: Sequence[int]) -> list[WorkerSpec]:
-        """Aligned workers of the given degrees; each accepts at most `max_input_len(C)` tokens.
-
-        Raises:
-          ValueError: the degrees need more devices than `num_gpus`.
-        """
-        if sum(degrees) > self.num_gpus:
-            raise ValueError(f"composition {list(degrees)} needs {sum(degrees)} GPUs, "
-                             f"more than num_gpus={self.num_gpus}")
-        specs = layout_workers(degrees, self.kv_blocks_per_gpu, 1)
-        return [dataclasses.replace(s, max_input_len=self.max_input_len(s.cp_degree)) for s in specs]
-
-
-PARALLELISMS = ("cp", "tp")
-
-
-@dataclasses.dataclass
-class System:
-    """A built system: its workers, router and periodic hooks (controller, cache manager).
-
-    Attributes:
-      name: the system's own name (a built-in system is named so in results; a plug-in
-        given as `module:attribute` is named by that spec instead).
-      workers: the initial pool composition.
-      router: the routing policy (`serving.policy.router.Router`).
-      tick_hooks: periodic hooks `(scheduler, now)`.
-      parallelism: "cp" (a worker's `cp_degree` devices run context-parallel prefill) or "tp"
-        (they run tensor-parallel prefill, `cp_degree` = TP ways); `eval.experiment` charges and
-        predicts prefill times from the profile of that parallelism.
-      setup: called with the `Scheduler` before a run (attach a controller or cache manager).
-      make_prefix_index: builds the scheduler's index of cached blocks (a `PrefixIndex` by
-        default; the `GlobalPrefixTrie` for the prefix-cache manager).
-
-    Raises:
-      ValueError: an unknown parallelism.
-    """
-
-    name: str
-    workers: list[WorkerSpec]
-    router: Router
-    tick_hooks: list[Callable[[Scheduler, float], None]] = dataclasses.field(default_factory=list)
-    parallelism: str = "cp"
-    setup: list[Callable[[Scheduler], None]] = dataclasses.field(default_factory=list)
-    make_prefix_index: Callable[[], PrefixIndex] = PrefixIndex
-
-    def __post_init__(self) -> None:
-        if self.parallelism not in PARALLELISMS:
-            raise ValueError(f"parallelism={self.parallelism!r} must be one of {PARALLELISMS}")
-
-    @property
-    def composition(self) -> list[int]:
-        """CP degrees of the workers in device order."""
-        return [w.cp_degree for w in self.workers]
-
+__all__ = ["PARALLELISMS", "Demand", "PoolConfig", "System", "build_system", "expand_systems",
+           "mixed_degrees", "register_system", "vertumnus_system"]
 
 _REGISTRY: dict[str, Callable[[PoolConfig], System]] = {}
 _PATTERNS: list[tuple[re.Pattern, Callable[[re.Match, PoolConfig], System]]] = []
