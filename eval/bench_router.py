@@ -7,8 +7,9 @@ hit a cached chain part-way, miss entirely, or hit fully. Routers: least work, t
 placement cost, and that cost with the live-context price of the default `vertumnus`
 (`live_horizon_s=300`: every decision also prices evictions and records the placement in the
 live working sets, which here outgrow the workers' KV, so the price is computed for every
-candidate; and `congestion_price`, which counts the candidates' queues). Prints p50 / p99 / max in microseconds per router and writes JSON. Target (issue
-"The Vertumnus policies"): p99 <= 100 us with 20 workers and a million blocks.
+candidate; and `congestion_price`, which counts the candidates' queues). Prints p50 / p99 / max
+in microseconds per router and writes JSON. Target (issue "The Vertumnus policies"): p99 <= 100
+us with 20 workers and a million blocks.
 """
 
 from __future__ import annotations
