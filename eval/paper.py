@@ -1,13 +1,15 @@
 """The paper's comparison on public traces: `python -m eval.paper`.
 
-Runs, in the simulator, every system on five workloads at increasing request rates, for two
+Runs, in the simulator, every system on six workloads at increasing request rates, for two
 (model, degrees) setups, plus the reconfiguration experiment (time-varying demand), the ablation
 of the prefix-cache manager and sensitivity sweeps of the router and controller knobs. Writes
 `<output_dir>/paper_results.json`, `<output_dir>/tables.md` and one plot per (setup, workload);
 `eval/RESULTS.md` discusses them. Takes about 15 minutes on one core (`--quick`: 3-4 minutes).
 
 Workloads: `production` = Mooncake conversation trace, `leval` = Mooncake synthetic trace
-(ShareGPT + L-Eval + LooGLE, the long-context stand-in), `toolagent` = the built-in generator,
+(ShareGPT + L-Eval + LooGLE, the long-context stand-in), `leval-csv` = the L-Eval request CSV
+(documents shared by their questions, in a seeded random order with Poisson arrivals:
+`eval.traces.loaders.load_leval`), `toolagent` = the built-in generator,
 `code` = the Azure LLM inference code trace (bursty, short prompts, no reuse), `agents` = the
 real agent sessions, replayed closed-loop (`eval.traces.sessions`; load factors of the session
 capacity rate, sessions starting during `AGENT_WINDOW_S`).
@@ -48,6 +50,7 @@ BASELINES_48 = ("homogeneous-cp4", "homogeneous-cp8", "static-threshold", "sglan
                 "dynamo-cp4", "mooncake-cp4")
 SETUPS = (("qwen3-30b-a3b", (2, 4), BASELINES_24), ("qwen3-32b", (4, 8), BASELINES_48))
 LOADS = {"production": (0.6, 0.9, 1.1, 1.3), "leval": (0.6, 0.9, 1.2, 1.5),
+         "leval-csv": (1.0, 2.0, 3.0, 4.0),
          "toolagent": (1.0, 1.5, 2.0, 2.5), "code": (0.6, 0.9, 1.2, 1.5),
          "agents": (0.1, 0.2, 0.3, 0.4)}
 AGENT_WINDOW_S = 3600.0  # agent sessions start during the first hour (eval.replay's default)
@@ -56,7 +59,8 @@ OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-noc
 # Per-load table columns after Vertumnus's own: the paper's policy, then the ablations.
 VARIANTS = ("vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache", "vertumnus-fetch")
 # The paper's mean-TTFT reductions at the highest load (issue 15's reading of the paper).
-PAPER_REDUCTION = {"production": "28.1 %", "leval": "13.9 %", "toolagent": "21.0 %",
+PAPER_REDUCTION = {"production": "28.1 %", "leval": "13.9 %", "leval-csv": "13.9 %",
+                   "toolagent": "21.0 %",
                    "agents": "21.0 %", "code": "n/a"}
 
 
@@ -64,6 +68,8 @@ def workloads(quick: bool) -> dict:
     d = pathlib.Path(_TRACES_DIR.value)
     out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
            "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
+           "leval-csv": load_trace(d / "leval" / "leval_requests_llama3tok.csv",
+                                   rate=1.0).requests,  # (rescaled per load)
            "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0),
            "code": load_trace(d / "azure2023" / "AzureLLMInferenceTrace_code.csv").requests}
     if quick:

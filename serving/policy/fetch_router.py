@@ -27,6 +27,15 @@ live backend copies without holding the prefill): TTFT = queue + transfer + pref
 A fetch not made (nothing longer to fetch by then, or the copy refused) leaves the request on
 its local prefix. Among equal costs the plan that copies less wins (then round-robin). The
 scheduler reserves the local-prefix estimate `T(C_w, L_r, h_w)`, not `S_w`.
+
+With `congestion_price`, no fetch is planned while every candidate has a request queued (the
+price is above `lam`: `VertumnusRouter.gpu_price`). A fetch moves a request off its prefix's
+holder to a shorter queue; with no queue empty that relieves no idle worker, while the copy
+occupies KV on the destination (pushing out other prefixes: the copies spread every hot prefix
+to every worker) and holds it idle until it lands. Measured on the L-Eval request CSV with
+Qwen3-32B at 4x the cold capacity rate, ten CP-4 workers: 46.4 s mean TTFT with fetches (prefix
+hits 0.607 of the tokens, 7,835 GPU-s), 24.3 s without (0.751, 5,159 GPU-s) (eval/RESULTS.md
+item 8).
 """
 
 from __future__ import annotations
@@ -57,7 +66,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
         >= 0; 0 = free. Default `SCALEOUT_GB_PER_S` (25: one 200 Gb/s NIC).
       live_horizon_s: as `VertumnusRouter` (the evictions' cost `E_w` is added to every plan;
         `new_w` counts from w's own prefix, so a fetched prefix counts as written).
-      congestion_price: as `VertumnusRouter` (the copy's time counts in S_w, so in G_w too).
+      congestion_price: as `VertumnusRouter` (the copy's time counts in S_w, so in G_w too);
+        and no fetch is planned while every candidate has a request queued (module doc).
 
     Raises:
       ValueError: an argument outside the ranges above.
@@ -104,7 +114,11 @@ class FetchingVertumnusRouter(VertumnusRouter):
         """`plans` as two lists: the costs, and per candidate (S_w, blocks copied, source
         index, blocks fetched, C_w * S_w)."""
         predict, n, bs = self.cost_model.predict, request.input_len, request.block_size
-        cached = self._cached_blocks(request, candidates)
+        lam = self.gpu_price(candidates)
+        if lam > self.lam:  # every candidate has a queue: no fetch (module doc)
+            cached = [0] * len(candidates)
+        else:
+            cached = self._cached_blocks(request, candidates)
         best = max(cached, default=0)
         sources: dict[int, tuple[int, int]] = {}  # host -> (its longest run, first holder)
         if best:
@@ -151,7 +165,6 @@ class FetchingVertumnusRouter(VertumnusRouter):
             part.append(q + beta * plan[0])
         # (the minimum over the candidates: each one's plan is one of these, first seen first)
         cheapest = min(p[4] for p in plan_of.values())
-        lam = self.gpu_price(candidates)
         # Q_w + beta * S_w + lam * (C_w * S_w - cheapest), added in that order
         costs = [a + lam * (p[4] - cheapest) for a, p in zip(part, st)]
         if self.live is not None:

@@ -116,3 +116,26 @@ def test_bad_arguments_name_the_field():
             FetchingVertumnusRouter(1, transfer_gb_per_s=bad)
     with pytest.raises(ValueError, match="beta"):
         FetchingVertumnusRouter(1, beta=-1)
+
+
+def test_with_the_congestion_price_no_fetch_is_planned_while_every_queue_is_busy():
+    workers, q, sched = setup()
+    r = FetchingVertumnusRouter(kv_bytes_per_token=100_000, transfer_gb_per_s=1.0,
+                                congestion_price=True)
+    r.bind(sched)
+    # No request queued anywhere (only worker 0's and 2's reserved seconds): the price is the
+    # paper's lambda and the plans are those of the hand-computed case above.
+    plans = r.plans(q, workers, [12, 0, 4], 0.0)
+    assert [p[0] for p in plans] == pytest.approx([3.512, 3.584, 2.7528], abs=1e-12)
+    assert [p[1:] for p in plans] == [(0, -1, 0), (12, 0, 12), (8, 0, 12)]
+    # One request queued on every worker: lambda = 1 + 1 * 3 / 10 = 1.3 and nothing is fetched:
+    # S = 0.512, 2.048, 3.072; C*S = 2.048, 8.192, 6.144 (cheapest 2.048);
+    # cost = 3.512, 2.048 + 1.3 * 6.144 = 10.0352, 0.5 + 3.072 + 1.3 * 4.096 = 8.8968
+    for w in workers:
+        w.queue.append("queued")
+    plans = r.plans(q, workers, [12, 0, 4], 0.0)
+    assert [p[0] for p in plans] == pytest.approx([3.512, 10.0352, 8.8968], abs=1e-12)
+    assert [p[1:] for p in plans] == [(0, -1, 0)] * 3
+    assert r.choose(q, workers, [12, 0, 4], 0.0) == 0
+    sched.dispatch(q, 0, 0.1)
+    assert sched.fetched == [] and r.fetches.started == 0
