@@ -211,6 +211,8 @@ class FetchingVertumnusRouter(VertumnusRouter):
         _, copied, _, length, _ = st[best]
         if copied:
             self.fetches.plan(request, candidates[best].spec.worker_id, length)
+        else:  # a plan of an earlier routing of this request (re-routed) no longer applies
+            self.fetches.cancel(request)
         if self.live is not None:
             self._placed(request, candidates, matched_blocks, best, now)
         return best

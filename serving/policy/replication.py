@@ -331,6 +331,11 @@ class FetchOnDispatch:
         if self._scheduler is not None:
             self._plans[request.request_id] = (worker_id, blocks)
 
+    def cancel(self, request) -> None:
+        """Forgets `request`'s plan, if any (it was routed again and fetches nothing now)."""
+        if self._plans:
+            self._plans.pop(request.request_id, None)
+
     def _on_dispatch(self, request, worker_id: int, now: float) -> None:
         plan = self._plans.pop(request.request_id, None)
         if plan is None:

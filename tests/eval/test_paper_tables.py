@@ -49,3 +49,11 @@ def test_fetch_table_at_the_highest_load():
     # 1500 / 2000 - 1, 5000 / 4000 - 1, 100 * (0.55 - 0.5), 1500 / 2500 - 1, 7 copies
     assert md[k + 4] == ("| leval | qwen3-32b, {4, 8} | 20.00 | `homogeneous-cp4` | -25.0% | +25.0% "
                          "| +5.0 | -40.0% | 7 |")
+
+
+def test_every_workload_has_its_loads_and_the_papers_reduction():
+    # A workload missing from either table would fail only after minutes of simulation.
+    from eval.paper import LOADS, PAPER_REDUCTION
+    names = {"production", "leval", "leval-csv", "toolagent", "code", "agents"}
+    assert set(LOADS) == names and set(PAPER_REDUCTION) == names
+    assert all(len(loads) == 4 and list(loads) == sorted(loads) for loads in LOADS.values())

@@ -139,3 +139,29 @@ def test_with_the_congestion_price_no_fetch_is_planned_while_every_queue_is_busy
     assert r.choose(q, workers, [12, 0, 4], 0.0) == 0
     sched.dispatch(q, 0, 0.1)
     assert sched.fetched == [] and r.fetches.started == 0
+
+
+def test_one_empty_queue_keeps_the_fetch_plans_and_a_rerouted_request_drops_its_plan():
+    workers, q, sched = setup()
+    r = FetchingVertumnusRouter(kv_bytes_per_token=100_000, transfer_gb_per_s=1.0,
+                                congestion_price=True)
+    r.bind(sched)
+    # Workers 0 and 1 have a request queued, worker 2 none: some worker can take work at once,
+    # the price is the paper's lambda and the plans are the hand-computed ones (fetches kept).
+    workers[0].queue.append("queued")
+    workers[1].queue.append("queued")
+    plans = r.plans(q, workers, [12, 0, 4], 0.0)
+    assert [p[0] for p in plans] == pytest.approx([3.512, 3.584, 2.7528], abs=1e-12)
+    assert [p[1:] for p in plans] == [(0, -1, 0), (12, 0, 12), (8, 0, 12)]
+    assert r.choose(q, workers, [12, 0, 4], 0.0) == 2  # with a fetch of 8 blocks
+    # Routed again among workers 1 and 2 (worker 0 draining, say) once every queue is busy:
+    # lambda = 1 + 1 * 2 / 6; costs 2.048 + (4 / 3) * (8.192 - 6.144) and 3.072, no fetch: worker
+    # 2 again, and the earlier plan is dropped, so dispatching it there copies nothing.
+    workers[2].queue.append("queued")
+    workers[2].queued_seconds = 0.0
+    plans = r.plans(q, workers[1:], [0, 4], 0.0)
+    assert [p[0] for p in plans] == pytest.approx([2.048 + 4 / 3 * 2.048, 3.072], abs=1e-12)
+    assert [p[1] for p in plans] == [0, 0]
+    assert r.choose(q, workers[1:], [0, 4], 0.0) == 1
+    sched.dispatch(q, 2, 0.1)
+    assert sched.fetched == [] and r.fetches.started == 0
