@@ -14,14 +14,7 @@ from serving.policy.cost_router import VertumnusRouter
 from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.worker import WorkerSpec, WorkerState
-
-
-class Linear:
-    """1 ms per uncached token over C, + 10 ms."""
-
-    @staticmethod
-    def predict(c, n, h):
-        return (n - h) * 1e-3 / c + 0.01
+from tests.serving.policy.live_fixtures import Linear
 
 
 def worker(wid, c, queued_seconds, queued_requests):
