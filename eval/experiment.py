@@ -18,8 +18,6 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
-
 from eval.sim.ground_truth import GroundTruthProfile
 from eval.metrics import summarize
 from eval.sim.simulator import SimConfig, intern_block_hashes, simulate
@@ -155,15 +153,14 @@ class ReplayEnv:
                 self._pool_for(system.parallelism), demand=demand))
         return system
 
-    def demand(self, requests: Sequence[Request], rate: float, timed: bool = True,
-               sample_size: int = 1000, seed: int = 0,
-               order: Sequence[int] | None = None) -> Demand:
-        """`PoolConfig.demand` of a workload at `rate`: the cost model's mean prefill time per
-        degree, with 3/4 of each request's prefix hit as an unbounded shared cache would give
-        it (see the comment below), and a sample of `sample_size` requests for what-if replays:
-        the workload's first requests on its own arrival times scaled to `rate` when `timed`,
-        else (closed-loop sessions, whose templates have no times) the requests at `order`
-        (default: the first ones) on Poisson arrivals at `rate` (seeded)."""
+    def demand(self, requests: Sequence[Request], rate: float, sample_size: int = 1000,
+               sample: Sequence[Request] | None = None) -> Demand:
+        """`PoolConfig.demand` of a workload at `rate` (req/s): the cost model's mean prefill
+        time per degree, with 3/4 of each request's prefix hit as an unbounded shared cache
+        would give it (see the comment below), and a sample for what-if replays: `sample` when
+        given (timed requests, e.g. `SessionLoad.demand_sample` for closed-loop sessions, whose
+        templates have no times; its hits are counted within it), else the workload's first
+        `sample_size` requests on its own arrival times scaled to `rate`."""
         # Finite per-worker caches keep part of what an unbounded shared cache would reuse
         # (measured here: about 0.7 of it on the conversation trace, 0.5 on the synthetic one,
         # nearly all on Tool-Agent); 0.75 is the assumption, not fitted per workload.
@@ -176,19 +173,17 @@ class ReplayEnv:
                               for r, h in zip(requests, hits)) / len(requests)
             return memo[c]
 
-        n = min(sample_size, len(requests))
-        if timed:
+        if sample is None:
+            n = min(sample_size, len(requests))
             picked = scale_to_rate(requests[:n], rate) if n > 1 else list(requests[:1])
-            idx = range(n)
+            picked_hits = hits[:n]
         else:
-            idx = list(order)[:n] if order is not None else list(range(n))
-            n = len(idx)
-            gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
-            times = (np.cumsum(gaps) - gaps[0]).tolist()
-            picked = [dataclasses.replace(requests[i], arrival_time=t) for i, t in zip(idx, times)]
-        sample = tuple((r.arrival_time - picked[0].arrival_time, r.input_len, int(hits[i]))
-                       for r, i in zip(picked, idx))
-        return Demand(rate, mean_seconds, max(r.input_len for r in requests), sample,
+            picked = sorted(sample, key=lambda r: r.arrival_time)
+            picked_hits = prefix_hit_tokens(picked) * 0.75 if picked else []
+        t0 = picked[0].arrival_time if picked else 0.0
+        timed = tuple((r.arrival_time - t0, r.input_len, int(h))
+                      for r, h in zip(picked, picked_hits))
+        return Demand(rate, mean_seconds, max(r.input_len for r in requests), timed,
                       tuple(picked))
 
     def ground_truth(self, cfg: ReplayConfig, parallelism: str = "cp") -> GroundTruthProfile:
@@ -357,11 +352,14 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
     demands = {}
     for name, rate, factor in runs:
         if rate not in demands:
-            demands[rate] = dataclasses.replace(
-                env.demand(load.requests, load.request_rate(rate),
-                           timed=isinstance(load, OpenLoad), seed=cfg.seed,
-                           order=getattr(load, "sample_order", lambda n: None)(1000)),
-                working_set_tokens=getattr(load, "working_set_tokens", lambda r: None)(rate))
+            if isinstance(load, OpenLoad):
+                demands[rate] = env.demand(load.requests, rate)
+            else:  # closed-loop sessions: the run's first requests, at their steady pressure
+                sample = load.demand_sample(rate, 1000)
+                demands[rate] = dataclasses.replace(
+                    env.demand(load.requests, load.request_rate(rate), sample=sample),
+                    working_set_tokens=load.working_set_tokens(rate),
+                    replay_kv_share=load.replay_kv_share(sample))
         system = env.build_system(name, demands[rate])
         par = system.parallelism
         records, sched = simulate_system(env, cfg, system, *with_slo.at_rate(rate))

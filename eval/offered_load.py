@@ -5,9 +5,12 @@
 - `SessionLoad`: agent sessions (`eval.traces.sessions`). A rate is *sessions* per second:
   session instances start as a Poisson process during a window (`session_starts`) and each
   runs closed-loop (`ClosedLoop`: a request is sent `think_time` after the previous response
-  ended), so a session's own time is never compressed. Its capacity rate counts each request with the prefix an unbounded cache would
-  give it (what the session itself made warm): with 96 % of blocks reused inside sessions, the
-  cold count would put load factor 1 at a few per cent of the pool's real load.
+  ended), so a session's own time is never compressed. Its capacity rate counts each request
+  with the prefix an unbounded cache would give it (what the session itself made warm): with
+  96 % of blocks reused inside sessions, the cold count would put load factor 1 at a few per
+  cent of the pool's real load. Its demand sample for what-if replays is the run's own start on
+  an idle pool (`demand_sample`), replayed at the KV share its working set has of the steady
+  state's (`replay_kv_share`).
 
 `eval.experiment.run_sweep` drives both through the same steps.
 """
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Sequence
 
 from eval.traces.closed_loop import ClosedLoop, session_starts
@@ -81,31 +85,73 @@ class SessionLoad:
             self.workload.roots)
         return num_gpus / per_session
 
+    def instance_seconds(self) -> list[float]:
+        """Per top-level session, how long an instance of it runs on an idle pool (seconds):
+        its capped think times plus its decode (`output_len x tpot_s` per request)."""
+        w, cap = self.workload, self.max_think_s
+        return [sum(min(t, cap) for t in w.sessions[root].think_times)
+                + sum(w.requests[i].output_len * self.tpot_s for i in w.sessions[root].steps)
+                for root in w.roots]
+
     def working_set_tokens(self, rate: float) -> float:
         """The contexts the pool must keep for the sessions active at once in steady state at
         `rate` sessions/s (tokens): `rate x E[instance duration] x E[context]`, a duration
         being its capped think times plus its decode, a context a session's mean input."""
-        w, cap = self.workload, self.max_think_s
-        durations, contexts = [], []
-        for root in w.roots:
-            ses = w.sessions[root]
-            durations.append(sum(min(t, cap) for t in ses.think_times)
-                             + sum(w.requests[i].output_len * self.tpot_s for i in ses.steps))
-            contexts.append(sum(w.requests[i].input_len for i in ses.steps) / len(ses.steps))
+        w = self.workload
+        durations = self.instance_seconds()
+        contexts = [sum(w.requests[i].input_len for i in w.sessions[root].steps)
+                    / len(w.sessions[root].steps) for root in w.roots]
         n = len(w.roots)
         return rate * (sum(durations) / n) * (sum(contexts) / n)
 
-    def sample_order(self, n: int) -> list[int]:
-        """Indices of `n` templates for a demand sample: round-robin over the top-level
-        sessions in turn (request k of every session before request k+1 of any), so a sample
-        sees many sessions at once, as the replay does, each in its own order."""
-        w = self.workload
-        queues = [list(w.sessions[r].steps) for r in w.roots]
-        out: list[int] = []
-        k = 0
-        while len(out) < n and any(k < len(q) for q in queues):
-            out += [q[k] for q in queues if k < len(q)][:n - len(out)]
-            k += 1
+    def replay_kv_share(self, sample: Sequence[Request]) -> float:
+        """The share of each worker's KV a what-if replay of `sample` (`demand_sample`) gives
+        it, so that the sample's sessions press on the caches as the steady state's do.
+
+        The sample starts the run: at its last arrival t the instances active are `rate x
+        E[min(D, t)]` (Poisson starts, D an instance's duration, `instance_seconds`), in steady
+        state `rate x E[D]` (Little's law): the sample's working set is `E[min(D, t)] / E[D]`
+        of the steady state's (the rate and the mean context cancel), and so is the share
+        returned (1 when the sample spans every duration). Without it a replay of the ramp
+        ranks compositions as if contexts were never evicted (eval/RESULTS.md, item 9).
+
+        Returns:
+          A share in (0, 1]; 1 for fewer than two requests.
+        """
+        if len(sample) < 2:
+            return 1.0
+        t = sample[-1].arrival_time - sample[0].arrival_time
+        durations = self.instance_seconds()
+        whole = sum(durations)
+        if whole <= 0 or t <= 0:
+            return 1.0
+        return max(sum(min(d, t) for d in durations) / whole, 1e-9)
+
+    def demand_sample(self, rate: float, n: int) -> list[Request]:
+        """The first `n` requests of the closed-loop replay at `rate` sessions/s, timed as if
+        the pool were idle (each first token at its request's arrival, so a response ends
+        `output_len x tpot_s` after it was sent): the demand sample of the what-if replays.
+
+        The same instances, start times, think times and ids as `at_rate` gives the simulator
+        (`session_starts` with this load's seed), so the sample mixes first turns (cold, at the
+        session rate) and later turns (warm, paced by their sessions) as the run does. Ordering
+        templates round-robin over sessions instead puts every session's first turn at the
+        request rate (12x the session rate at 0.3 sessions/s of the shared sessions): a cold
+        burst the replay then ranks compositions by (eval/RESULTS.md, item 9).
+
+        Returns:
+          Up to `n` requests sorted by arrival (seconds from the first instance's start).
+        """
+        _, loop = self.at_rate(rate)
+        heap = [(t, k, r) for k, (t, r) in enumerate(loop.start())]
+        heapq.heapify(heap)
+        k, out = len(heap), []
+        while heap and len(out) < n:
+            t, _, r = heapq.heappop(heap)
+            out.append(r)
+            for arrival in loop.on_end(r.request_id, t + r.output_len * self.tpot_s):
+                heapq.heappush(heap, (arrival[0], k, arrival[1]))
+                k += 1
         return out
 
     def request_rate(self, rate: float) -> float:

@@ -32,6 +32,9 @@ class Demand:
       working_set_tokens: the contexts the pool must keep at once in steady state (tokens;
         closed-loop sessions, `eval.offered_load.SessionLoad.working_set_tokens`); None when
         unknown.
+      replay_kv_share: the share of each worker's KV capacity the simulated what-if replays
+        give it, in (0, 1] (closed-loop sessions, `SessionLoad.replay_kv_share`: the sample is
+        the run's ramp, whose contexts are a share of the steady state's); 1 otherwise.
     """
 
     rate: float
@@ -40,6 +43,7 @@ class Demand:
     sample: tuple[tuple[float, int, int], ...] = ()
     requests: tuple[Request, ...] = ()
     working_set_tokens: float | None = None
+    replay_kv_share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

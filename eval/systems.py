@@ -148,9 +148,6 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                    "fetch": lambda: make_router(True, gpu_cost)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
-        elif d.working_set_tokens is not None and d.working_set_tokens > FETCH_WORKING_SET * (
-                pool.num_gpus * pool.kv_blocks_per_gpu * d.requests[0].block_size):
-            del routers["fetch"]  # copies would evict contexts the sessions need again
         if len(options) > MAX_REPLAYED:  # keep the queueing replay's best few
             _, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
                                        lam, pool.max_input_len, min_largest_degree=need)
@@ -158,7 +155,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         comp, chosen, _ = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
             tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s,
-                 live_horizon_s, congestion_price))
+                 live_horizon_s, congestion_price), kv_share=d.replay_kv_share)
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
     elif d is not None and initial == "whatif" and d.sample:
@@ -184,10 +181,6 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                   make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
 
 
-# Above this working set / KV capacity (closed-loop sessions, steady state) the replay leaves
-# fetch out: copies evict contexts needed again, which a short replay does not show. Set on the
-# agent sessions (0.6, 1.2, 1.8, 2.3 at loads 0.1-0.4, Qwen3-30B-A3B): said in RESULTS.md.
-FETCH_WORKING_SET = 1.5
 MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {1..8}: 286)
 
 

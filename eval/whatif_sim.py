@@ -12,6 +12,10 @@ The option of least mean TTFT wins (fewer failed requests first; ties to the ear
 A router that prices evicting live context prices it here at the share of placed blocks
 reused (`LiveWorkingSet(rate="reuse")`): the sample starts from empty caches and is too short
 for contexts to be lost and asked for again, which the served router's rate counts.
+For closed-loop sessions the sample is the run's ramp (`eval.offered_load.SessionLoad.
+demand_sample`), whose sessions hold a share of the contexts the steady state's do: each worker's
+KV is cut to that share (`kv_share`, `SessionLoad.replay_kv_share`), so the replay sees the
+evictions a composition of smaller workers will suffer (eval/RESULTS.md, item 9).
 
 Cost: (compositions x routers) short simulations, about 1-3 s per system on one core; the
 answer is remembered for the same arguments (the other Vertumnus variants of a run).
@@ -19,6 +23,7 @@ answer is remembered for the same arguments (the other Vertumnus variants of a r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 from eval.sim.simulator import SimConfig, simulate
@@ -33,8 +38,8 @@ _CACHE: dict[tuple, tuple] = {}  # one system build's replays, reused by the nex
 
 def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[[], Router]],
                   sample: Sequence[Request], workers: Callable[[Sequence[int]], list],
-                  cost_model, kv_bytes_per_token: int = 0, tag: Hashable = None
-                  ) -> tuple[list[int], str, dict[tuple[tuple[int, ...], str], tuple[int, float]]]:
+                  cost_model, kv_bytes_per_token: int = 0, tag: Hashable = None,
+                  kv_share: float = 1.0) -> tuple[list[int], str, dict[tuple[tuple[int, ...], str], tuple[int, float]]]:
     """The (composition, router) of least mean TTFT when `sample` is simulated through each.
 
     Args:
@@ -45,22 +50,27 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
       cost_model: the routers' cost model; also the replay's clock.
       kv_bytes_per_token: the model's KV size, for copy times of routers that fetch.
       tag: whatever else makes two calls differ (the routers' knobs, the pool's KV size): calls
-        with equal options, router names, tag and the same sample and cost model objects share
-        one answer.
+        with equal options, router names, tag, kv_share and the same sample and cost model
+        objects share one answer.
+      kv_share: each worker's KV capacity in the replay is this share of its own, in (0, 1]
+        (`eval.systems.Demand.replay_kv_share`), but never below the blocks of the sample's
+        longest prompt it could hold (so no request fails that would not).
 
     Returns:
       `(composition, router name, {(composition, router name): (failed requests, mean TTFT
       in s)})`; fewer failures rank first.
 
     Raises:
-      ValueError: no option, no router, or an empty sample.
+      ValueError: no option, no router, an empty sample, or kv_share outside (0, 1].
     """
     if not options or not routers or not sample:
         raise ValueError("replay_choice needs options, routers and a non-empty sample")
+    if not 0.0 < kv_share <= 1.0:
+        raise ValueError(f"kv_share must be in (0, 1], got {kv_share}")
     # The same demand is replayed for each Vertumnus variant of a run: remember the last few
     # answers, keyed by the objects themselves (kept alive in the entry, so ids stay valid).
     key = (tuple(map(tuple, options)), tuple(routers), tag, id(sample), id(cost_model),
-           kv_bytes_per_token)
+           kv_bytes_per_token, kv_share)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is sample:
         return list(hit[1]), hit[2], dict(hit[3])
@@ -72,7 +82,8 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
             live = getattr(router, "live", None)
             if isinstance(live, LiveWorkingSet):  # (module doc)
                 router.live = LiveWorkingSet(live.horizon_s, rate="reuse")
-            records = simulate(sample, workers(comp), cost_model, router, cost_model.predict,
+            records = simulate(sample, _shrunk(workers(comp), kv_share, sample), cost_model,
+                               router, cost_model.predict,
                                config, prefix_index=PrefixIndex())
             ok = [r.ttft for r in records if r.ok]
             scores[(tuple(comp), name)] = (len(records) - len(ok),
@@ -83,3 +94,18 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
         _CACHE.clear()
     _CACHE[key] = (sample, comp, name, scores)
     return list(comp), name, scores
+
+
+def _shrunk(specs: list, share: float, sample: Sequence[Request]) -> list:
+    """`specs` with `kv_capacity_blocks` scaled by `share` (floor), kept at least at the blocks
+    of the longest prompt of `sample` each one can hold whole."""
+    if share == 1.0:
+        return specs
+    out = []
+    for spec in specs:
+        cap = spec.kv_capacity_blocks
+        longest = max((-(-r.input_len // r.block_size) for r in sample
+                       if r.input_len <= spec.max_input_len
+                       and -(-r.input_len // r.block_size) <= cap), default=1)
+        out.append(dataclasses.replace(spec, kv_capacity_blocks=max(int(cap * share), longest)))
+    return out
