@@ -28,11 +28,11 @@ from absl import app, flags
 from eval import report
 from eval.experiment import ReplayConfig, ReplayEnv, run_sweep, simulate_system
 from eval.metrics import summarize
+from eval.paper_setup import (AGENT_WINDOW_S, LOADS, OURS, QUICK_AGENT_WINDOW_S, SETUPS,
+                               shared_workloads)
 from eval.traces.scenarios import Phase, phase_of, phased_workload
 from eval.slo import SloSpec, assign_slos
 from eval.systems import register_system, vertumnus_system
-from eval.traces.loaders import load_trace
-from eval.traces.workloads import tool_agent_workload
 from serving.policy.composition import CompositionConfig
 
 # The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
@@ -44,18 +44,6 @@ _OUT = flags.DEFINE_string("output_dir", "eval/results", "Where results and plot
 _PARTS = flags.DEFINE_list("parts", ["sweep", "reconfig", "sensitivity"], "What to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short workloads and two loads (smoke run).")
 
-BASELINES_24 = ("homogeneous-cp2", "homogeneous-cp4", "static-threshold", "vllm-tp4",
-                "sglang-cp4", "dynamo-cp4", "mooncake-cp4")
-BASELINES_48 = ("homogeneous-cp4", "homogeneous-cp8", "static-threshold", "sglang-cp4",
-                "dynamo-cp4", "mooncake-cp4")
-SETUPS = (("qwen3-30b-a3b", (2, 4), BASELINES_24), ("qwen3-32b", (4, 8), BASELINES_48))
-LOADS = {"production": (0.6, 0.9, 1.1, 1.3), "leval": (0.6, 0.9, 1.2, 1.5),
-         "leval-csv": (1.0, 2.0, 3.0, 4.0),
-         "toolagent": (1.0, 1.5, 2.0, 2.5), "code": (0.6, 0.9, 1.2, 1.5),
-         "agents": (0.1, 0.2, 0.3, 0.4)}
-AGENT_WINDOW_S = 3600.0  # agent sessions start during the first hour (eval.replay's default)
-OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache",
-        "vertumnus-fetch")
 # Per-load table columns after Vertumnus's own: the paper's policy, then the ablations.
 VARIANTS = ("vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache", "vertumnus-fetch")
 # The paper's mean-TTFT reductions at the highest load (issue 15's reading of the paper).
@@ -65,17 +53,7 @@ PAPER_REDUCTION = {"production": "28.1 %", "leval": "13.9 %", "leval-csv": "13.9
 
 
 def workloads(quick: bool) -> dict:
-    d = pathlib.Path(_TRACES_DIR.value)
-    out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
-           "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
-           "leval-csv": load_trace(d / "leval" / "leval_requests_llama3tok.csv",
-                                   rate=1.0).requests,  # (rescaled per load)
-           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0),
-           "code": load_trace(d / "azure2023" / "AzureLLMInferenceTrace_code.csv").requests}
-    if quick:
-        out = {k: v[:1500] for k, v in out.items()}
-    out["agents"] = load_trace(d / "agent_sessions")  # closed-loop; --quick shortens its window
-    return out
+    return shared_workloads(_TRACES_DIR.value, quick)
 
 
 def headline(results: list[dict]) -> dict:
@@ -171,7 +149,7 @@ def part_sweep(wls: dict, quick: bool, out_dir: str) -> tuple[dict, list[str]]:
             loads = LOADS[wname][1::2] if quick else LOADS[wname]
             cfg = ReplayConfig(model=model, degrees=degrees, systems=baselines + OURS,
                                load_factors=loads,
-                               session_window_s=600.0 if quick else AGENT_WINDOW_S)
+                               session_window_s=QUICK_AGENT_WINDOW_S if quick else AGENT_WINDOW_S)
             t0 = time.perf_counter()
             results, _ = run_sweep(reqs, wname, cfg)
             key = f"{wname}/{model}/cp{'-'.join(map(str, degrees))}"

@@ -272,7 +272,7 @@ class _Loader:
 
 
 def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_pct: float = 0.5,
-                  skip_malformed: bool = False) -> SessionWorkload:
+                  skip_malformed: bool = False, subset: slice = slice(None)) -> SessionWorkload:
     """Loads agent sessions from a folder of session files (`*.json`, sorted by name) or one file.
 
     Args:
@@ -282,6 +282,8 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
       warm_prefix_pct: share this fraction of each session's tool + system prefix across all
         sessions, in [0, 1] (module doc; 0 = sessions share nothing).
       skip_malformed: drop and count malformed session files instead of raising.
+      subset: which of the folder's session files, sorted by name, to load (e.g.
+        `slice(0, None, 2)`: every other one, a held-out half; `eval.robustness`).
 
     Every `*.json` entry of the folder must be a regular file of at most
     `eval.traces.parsing.MAX_LINE_BYTES` bytes nesting JSON at most `MAX_JSON_DEPTH` levels
@@ -303,7 +305,7 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
     mode = os.stat(path).st_mode
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise TraceFormatError(path, None, None, f"is {_kind(mode)}: {_MUST}")
-    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json")
+    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json")[subset]
              if stat.S_ISDIR(mode) else [path])
     if not files:
         raise TraceFormatError(path, None, None, "no session files (*.json) in this folder")

@@ -1,0 +1,57 @@
+"""What the paper's comparison runs: its setups, baselines, load factors and workloads.
+
+Shared by `eval.paper` (the comparison) and `eval.robustness` (the same comparison on parts of
+the workloads), so both sweep the same cells.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from eval.traces.loaders import load_trace
+from eval.traces.sessions import load_sessions
+from eval.traces.workloads import tool_agent_workload
+
+BASELINES_24 = ("homogeneous-cp2", "homogeneous-cp4", "static-threshold", "vllm-tp4",
+                "sglang-cp4", "dynamo-cp4", "mooncake-cp4")
+BASELINES_48 = ("homogeneous-cp4", "homogeneous-cp8", "static-threshold", "sglang-cp4",
+                "dynamo-cp4", "mooncake-cp4")
+SETUPS = (("qwen3-30b-a3b", (2, 4), BASELINES_24), ("qwen3-32b", (4, 8), BASELINES_48))
+LOADS = {"production": (0.6, 0.9, 1.1, 1.3), "leval": (0.6, 0.9, 1.2, 1.5),
+         "leval-csv": (1.0, 2.0, 3.0, 4.0),
+         "toolagent": (1.0, 1.5, 2.0, 2.5), "code": (0.6, 0.9, 1.2, 1.5),
+         "agents": (0.1, 0.2, 0.3, 0.4)}
+AGENT_WINDOW_S = 3600.0  # agent sessions start during the first hour (eval.replay's default)
+QUICK_REQUESTS, QUICK_AGENT_WINDOW_S = 1500, 600.0  # --quick: shorter traces and windows
+OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache",
+        "vertumnus-fetch")
+
+
+def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False, seed: int = 0,
+                     sessions: slice = slice(None)) -> dict:
+    """The six workloads of the comparison, by name (`LOADS`' keys), from the public traces.
+
+    Args:
+      traces_dir: the folder of the public traces (`../shared/traces`: its README).
+      quick: the first `QUICK_REQUESTS` requests of each trace, a 600 s Tool-Agent run.
+      seed: seed of the generated or randomly ordered ones (Tool-Agent, the L-Eval CSV's order
+        and arrivals); the comparison uses 0.
+      sessions: which of the agent session files (sorted by name) to load.
+
+    Returns:
+      name -> requests (`SessionWorkload` for "agents", replayed closed-loop).
+
+    Raises:
+      OSError, ValueError: a trace is missing or malformed (`eval.traces.loaders`).
+    """
+    d = pathlib.Path(traces_dir)
+    out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
+           "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
+           "leval-csv": load_trace(d / "leval" / "leval_requests_llama3tok.csv",
+                                   rate=1.0, seed=seed).requests,  # (rescaled per load)
+           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=seed),
+           "code": load_trace(d / "azure2023" / "AzureLLMInferenceTrace_code.csv").requests}
+    if quick:
+        out = {k: v[:QUICK_REQUESTS] for k, v in out.items()}
+    out["agents"] = load_sessions(d / "agent_sessions", subset=sessions)
+    return out
