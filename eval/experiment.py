@@ -160,7 +160,15 @@ class ReplayEnv:
         would give it (see the comment below), and a sample for what-if replays: `sample` when
         given (timed requests, e.g. `SessionLoad.demand_sample` for closed-loop sessions, whose
         templates have no times; its hits are counted within it), else the workload's first
-        `sample_size` requests on its own arrival times scaled to `rate`."""
+        `sample_size` requests on its own arrival times scaled to `rate`.
+
+        Raises:
+          ValueError: no requests, or sample_size not an integer >= 1.
+        """
+        if not requests:
+            raise ValueError("demand needs at least one request")
+        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
+            raise ValueError(f"sample_size must be an integer >= 1, got {sample_size!r}")
         # Finite per-worker caches keep part of what an unbounded shared cache would reuse
         # (measured here: about 0.7 of it on the conversation trace, 0.5 on the synthetic one,
         # nearly all on Tool-Agent); 0.75 is the assumption, not fitted per workload.

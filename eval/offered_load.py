@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 
 from eval.traces.closed_loop import ClosedLoop, session_starts
 from eval.traces.sessions import SessionWorkload
@@ -62,6 +63,10 @@ class SessionLoad:
       window_s: sessions start during `[0, window_s)` seconds.
       max_think_s: think times are capped here (`ClosedLoop`).
       seed: seed of the session start times and of the order sessions are drawn in.
+
+    Raises:
+      ValueError: tpot_s not finite and >= 0, window_s not finite and > 0, or max_think_s
+        not >= 0 (inf allowed).
     """
 
     workload: SessionWorkload
@@ -69,6 +74,15 @@ class SessionLoad:
     window_s: float
     max_think_s: float
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, v, ok in (("tpot_s", self.tpot_s, lambda v: math.isfinite(v) and v >= 0),
+                            ("window_s", self.window_s, lambda v: math.isfinite(v) and v > 0),
+                            ("max_think_s", self.max_think_s, lambda v: v >= 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ValueError(f"SessionLoad.{name} must be a number of seconds "
+                                 f"({'> 0' if name == 'window_s' else '>= 0'}"
+                                 f"{', finite' if name != 'max_think_s' else ''}), got {v!r}")
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -87,11 +101,18 @@ class SessionLoad:
 
     def instance_seconds(self) -> list[float]:
         """Per top-level session, how long an instance of it runs on an idle pool (seconds):
-        its capped think times plus its decode (`output_len x tpot_s` per request)."""
-        w, cap = self.workload, self.max_think_s
-        return [sum(min(t, cap) for t in w.sessions[root].think_times)
-                + sum(w.requests[i].output_len * self.tpot_s for i in w.sessions[root].steps)
-                for root in w.roots]
+        from its start to the end of its last response, each response ending `output_len x
+        tpot_s` after its request was sent and the next one sent its capped think time later;
+        its sub-agents run inside it (`ClosedLoop`: the parent's next step waits for them)."""
+        n = len(self.workload.roots)
+        out = [0.0] * n
+        # one instance of every session, all started at 0 (instance i runs root i)
+        loop = ClosedLoop(self.workload, [(0.0, i) for i in range(n)], self.tpot_s,
+                          self.max_think_s)
+        for request, end in _idle_replay(loop, self.tpot_s):
+            i = int(request.request_id.rpartition("@")[2])
+            out[i] = max(out[i], end)
+        return out
 
     def working_set_tokens(self, rate: float) -> float:
         """The contexts the pool must keep for the sessions active at once in steady state at
@@ -106,26 +127,28 @@ class SessionLoad:
 
     def replay_kv_share(self, sample: Sequence[Request]) -> float:
         """The share of each worker's KV a what-if replay of `sample` (`demand_sample`) gives
-        it, so that the sample's sessions press on the caches as the steady state's do.
+        it, so that the sample's sessions press on the caches as the run's do at its busiest.
 
-        The sample starts the run: at its last arrival t the instances active are `rate x
-        E[min(D, t)]` (Poisson starts, D an instance's duration, `instance_seconds`), in steady
-        state `rate x E[D]` (Little's law): the sample's working set is `E[min(D, t)] / E[D]`
-        of the steady state's (the rate and the mean context cancel), and so is the share
-        returned (1 when the sample spans every duration). Without it a replay of the ramp
+        With Poisson starts during `[0, W)` (W = `window_s`), the instances active at time
+        t <= W number `rate x E[min(D, t)]` (D an instance's duration, `instance_seconds`;
+        Little's law for t >= every D): most at t = W. The sample spans the run's first t
+        seconds (its first to its last arrival), so its working set is `E[min(D, t)] /
+        E[min(D, W)]` of the run's busiest (the rate and the mean context cancel), and so is
+        the share returned (1 once t >= W, or t >= every D). Without it a replay of the ramp
         ranks compositions as if contexts were never evicted (eval/RESULTS.md, item 9).
 
         Returns:
-          A share in (0, 1]; 1 for fewer than two requests.
+          A share in (0, 1]; 1 for fewer than two requests or sessions that take no time.
         """
         if len(sample) < 2:
             return 1.0
-        t = sample[-1].arrival_time - sample[0].arrival_time
+        times = [r.arrival_time for r in sample]
+        t = min(max(times) - min(times), self.window_s)
         durations = self.instance_seconds()
-        whole = sum(durations)
-        if whole <= 0 or t <= 0:
+        busiest = sum(min(d, self.window_s) for d in durations)
+        if busiest <= 0 or t <= 0:
             return 1.0
-        return max(sum(min(d, t) for d in durations) / whole, 1e-9)
+        return min(1.0, max(sum(min(d, t) for d in durations) / busiest, 1e-9))
 
     def demand_sample(self, rate: float, n: int) -> list[Request]:
         """The first `n` requests of the closed-loop replay at `rate` sessions/s, timed as if
@@ -143,15 +166,11 @@ class SessionLoad:
           Up to `n` requests sorted by arrival (seconds from the first instance's start).
         """
         _, loop = self.at_rate(rate)
-        heap = [(t, k, r) for k, (t, r) in enumerate(loop.start())]
-        heapq.heapify(heap)
-        k, out = len(heap), []
-        while heap and len(out) < n:
-            t, _, r = heapq.heappop(heap)
-            out.append(r)
-            for arrival in loop.on_end(r.request_id, t + r.output_len * self.tpot_s):
-                heapq.heappush(heap, (arrival[0], k, arrival[1]))
-                k += 1
+        out = []
+        for request, _ in _idle_replay(loop, self.tpot_s):
+            if len(out) >= n:
+                break
+            out.append(request)
         return out
 
     def request_rate(self, rate: float) -> float:
@@ -177,3 +196,18 @@ def offered_load(workload: Sequence[Request] | SessionWorkload, cfg) -> OpenLoad
         return SessionLoad(workload, cfg.tpot_ms / 1e3, cfg.session_window_s,
                            cfg.max_think_time_s, cfg.seed)
     return OpenLoad(list(workload))
+
+
+def _idle_replay(loop: ClosedLoop, tpot_s: float) -> Iterator[tuple[Request, float]]:
+    """`loop`'s requests in arrival order, with when each response ends, on an idle pool: each
+    first token at its request's arrival, the response `output_len x tpot_s` later."""
+    heap = [(t, k, r) for k, (t, r) in enumerate(loop.start())]
+    heapq.heapify(heap)
+    k = len(heap)
+    while heap:
+        t, _, r = heapq.heappop(heap)
+        end = t + r.output_len * tpot_s
+        yield r, end
+        for arrival in loop.on_end(r.request_id, end):
+            heapq.heappush(heap, (arrival[0], k, arrival[1]))
+            k += 1

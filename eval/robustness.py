@@ -7,7 +7,8 @@ of its workloads, each a workload the comparison never ran whole:
 - the first and second half (by arrival) of the Mooncake conversation and synthetic traces and
   of the Azure code trace, each re-timed from 0 and swept at the comparison's load factors of
   its own capacity rate;
-- the even- and odd-numbered agent session files (sorted by name), 80 sessions each;
+- the agent session files taken alternately in name order (first, third, ... and second,
+  fourth, ...), 80 sessions each;
 - Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0).
 
 Per cell: `vertumnus`'s mean TTFT against the best baseline there (chosen in hindsight, as in
@@ -16,7 +17,7 @@ run again under the seeds of `--seeds` (`ReplayConfig.seed`: the ground truth's 
 noise and, for sessions, their start times) with the same systems, to tell a systematic loss
 from the cell's own seed-to-seed spread. Prints a markdown table and writes
 `<output_dir>/robustness.json` and `robustness.md`. About 10 minutes on one core (`--quick`:
-about 1).
+about 2, short parts whose cells are not the full run's).
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from eval.experiment import ReplayConfig, run_sweep
-from eval.paper_setup import (AGENT_WINDOW_S, LOADS, OURS, QUICK_AGENT_WINDOW_S, SETUPS,
-                              shared_workloads)
+from eval.paper_setup import (AGENT_WINDOW_S, LOADS, OURS, QUICK_AGENT_WINDOW_S,
+                              QUICK_REQUESTS, SETUPS, shared_workloads)
+from eval.traces.loaders import load_trace
+from eval.traces.sessions import load_sessions
+from eval.traces.workloads import tool_agent_workload
 from serving.policy.request import Request
 
 FLAGS = flags.FLAGS
@@ -74,51 +78,74 @@ def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
 
 
 def parts(traces_dir: str, quick: bool) -> dict[str, tuple[str, object]]:
-    """Part name -> (the workload it is a part of, its requests or sessions)."""
+    """Part name -> (the workload it is a part of, its requests or sessions); each trace is
+    read once."""
     base = shared_workloads(traces_dir, quick)
+    d = pathlib.Path(traces_dir)
     out: dict[str, tuple[str, object]] = {}
-    for name in ("production", "leval", "code"):
+    for name, trace in (("production", "Mooncake conversation"), ("leval", "Mooncake synthetic"),
+                        ("code", "Azure code")):
         first, second = halves(base[name])
-        out[f"{name}, first half"], out[f"{name}, second half"] = (name, first), (name, second)
-    for label, sl in (("even", slice(0, None, 2)), ("odd", slice(1, None, 2))):
-        out[f"agents, {label} files"] = ("agents", shared_workloads(
-            traces_dir, quick, sessions=sl)["agents"])
-    seeded = shared_workloads(traces_dir, quick, seed=1)
-    for name in ("toolagent", "leval-csv"):
-        out[f"{name}, seed 1"] = (name, seeded[name])
+        out[f"{name} ({trace}), first half"] = (name, first)
+        out[f"{name} ({trace}), second half"] = (name, second)
+    for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
+        out[f"agents, session files {label}"] = ("agents", load_sessions(
+            d / "agent_sessions", subset=sl))
+    n = QUICK_REQUESTS if quick else None
+    out["toolagent, generated with seed 1"] = ("toolagent", tool_agent_workload(
+        duration_s=600.0 if quick else 3600.0, seed=1)[:n])
+    out["leval-csv (L-Eval CSV), drawn with seed 1"] = ("leval-csv", load_trace(
+        d / "leval" / "leval_requests_llama3tok.csv", rate=1.0, seed=1).requests[:n])
     return out
 
 
 def cells(results: list[dict], part: str, model: str) -> list[dict]:
     """Per load factor: `vertumnus` against the best baseline (lowest mean TTFT among the
-    systems not in `eval.paper_setup.OURS`), from `run_sweep`'s results."""
+    systems not in `eval.paper_setup.OURS`), from `run_sweep`'s results; `change` is None
+    where either has no mean TTFT (every request failed, or the system did not run). The
+    failed requests of both are kept (a cell where they differ is not a like-for-like one)."""
     out = []
     for lf in sorted({r["load_factor"] for r in results}):
-        at = [r for r in results if r["load_factor"] == lf and r["mean_ttft_ms"] is not None]
-        ours = next(r for r in at if r["system"] == "vertumnus")
-        best = min((r for r in at if r["system"] not in OURS), key=lambda r: r["mean_ttft_ms"])
+        at = [r for r in results if r["load_factor"] == lf]
+        ours = next((r for r in at if r["system"] == "vertumnus"), None)
+        timed = [r for r in at if r["system"] not in OURS and r["mean_ttft_ms"]]
+        best = min(timed, key=lambda r: r["mean_ttft_ms"]) if timed else None
+        ok = ours is not None and ours["mean_ttft_ms"] is not None and best is not None
         out.append({"part": part, "model": model, "load_factor": lf,
-                    "rate": ours["request_rate"], "best_baseline": best["system"],
-                    "best_ms": best["mean_ttft_ms"], "vertumnus_ms": ours["mean_ttft_ms"],
-                    "change": ours["mean_ttft_ms"] / best["mean_ttft_ms"] - 1,
+                    "rate": ours["request_rate"] if ours else None,
+                    "best_baseline": best["system"] if best else None,
+                    "best_ms": best["mean_ttft_ms"] if best else None,
+                    "vertumnus_ms": ours["mean_ttft_ms"] if ours else None,
+                    "change": ours["mean_ttft_ms"] / best["mean_ttft_ms"] - 1 if ok else None,
+                    "failed": [ours.get("failed", 0) if ours else None,
+                               best.get("failed", 0) if best else None],
                     "vertumnus_workers": [len(ours["composition"]),
-                                          len(ours["final_composition"])],
-                    "reconfigurations": len(ours["reconfigurations"])})
+                                          len(ours["final_composition"])] if ours else None,
+                    "reconfigurations": len(ours["reconfigurations"]) if ours else None})
     return out
 
 
 def markdown(rows: list[dict]) -> list[str]:
     """The table: one line per cell, the re-seeded changes of those above the line."""
     md = ["| part | model | load factor | best baseline | its mean TTFT (ms) | `vertumnus` (ms) "
-          "| change | other seeds |", "|---|---|---|---|---|---|---|---|"]
+          "| change | failed (ours, its) | re-run under noise seed |",
+          "|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(v):
+        return "-" if v is None else f"{v:.0f}"
+
     for c in rows:
-        seeds = ", ".join(f"{s}: {v:+.1%}" for s, v in c.get("other_seeds", {}).items())
-        md.append(f"| {c['part']} | {c['model']} | {c['load_factor']} | `{c['best_baseline']}` "
-                  f"| {c['best_ms']:.0f} | {c['vertumnus_ms']:.0f} | {c['change']:+.1%} | "
-                  f"{seeds or '-'} |")
-    within = sum(c["change"] <= LINE for c in rows)
+        seeds = ", ".join(f"{s}: {v:+.1%}" if v is not None else f"{s}: -"
+                          for s, v in c.get("other_seeds", {}).items())
+        change = "no result" if c["change"] is None else f"{c['change']:+.1%}"
+        md.append(f"| {c['part']} | {c['model']} | {c['load_factor']} | "
+                  f"`{c['best_baseline']}` | {ms(c['best_ms'])} | {ms(c['vertumnus_ms'])} | "
+                  f"{change} | {c['failed'][0]}, {c['failed'][1]} | {seeds or '-'} |")
+    done = [c for c in rows if c["change"] is not None]
+    within = sum(c["change"] <= LINE for c in done)
     md += ["", f"{within} of {len(rows)} cells within {LINE:.0%} of the best baseline, "
-           f"{sum(c['change'] < 0 for c in rows)} below it."]
+           f"{sum(c['change'] < 0 for c in done)} below it"
+           + (f"; {len(rows) - len(done)} without a result." if len(done) < len(rows) else ".")]
     return md
 
 
@@ -132,12 +159,16 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
     """
     setups = {m: (d, b) for m, d, b in SETUPS}
     unknown = [m for m in models if m not in setups]
-    if unknown:
-        raise ValueError(f"--models must be among {sorted(setups)}, got {unknown}")
+    if unknown or not models:
+        raise ValueError(f"--models must name one or more of {sorted(setups)}, got "
+                         f"{list(models)}")
+    models = list(dict.fromkeys(models))  # (repeats dropped)
     try:
         seeds = [int(s) for s in seeds]
     except ValueError:
         raise ValueError(f"--seeds must be integers, got {list(seeds)}") from None
+    out = pathlib.Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
     rows: list[dict] = []
     for part, (wname, reqs) in parts(traces_dir, quick).items():
         for model in models:
@@ -153,19 +184,19 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
             t0 = time.perf_counter()
             got = sweep(LOADS[wname][1::2] if quick else LOADS[wname], 0)
             for c in got:
-                if c["change"] > LINE and seeds:
+                if c["change"] is not None and c["change"] > LINE and seeds:
                     c["other_seeds"] = {s: sweep([c["load_factor"]], s)[0]["change"]
                                         for s in seeds}
-                print(f"{part}, {model}, load {c['load_factor']}: {c['change']:+.1%} against "
-                      f"`{c['best_baseline']}`" + "".join(
-                          f"; seed {s} {v:+.1%}" for s, v in c.get("other_seeds", {}).items()),
-                      flush=True)
+                print(f"{part}, {model}, load {c['load_factor']}: "
+                      + ("no result" if c["change"] is None else
+                         f"{c['change']:+.1%} against `{c['best_baseline']}`")
+                      + "".join(f"; noise seed {s} {v:+.1%}" for s, v in
+                                c.get("other_seeds", {}).items() if v is not None), flush=True)
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
             rows += got
+            (out / "robustness.json").write_text(json.dumps(rows, indent=1))  # (as it goes)
     md = markdown(rows)
     print("\n".join(md))
-    out = pathlib.Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "robustness.json").write_text(json.dumps(rows, indent=1))
     (out / "robustness.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'robustness.json'} and robustness.md")

@@ -34,7 +34,10 @@ class Demand:
         unknown.
       replay_kv_share: the share of each worker's KV capacity the simulated what-if replays
         give it, in (0, 1] (closed-loop sessions, `SessionLoad.replay_kv_share`: the sample is
-        the run's ramp, whose contexts are a share of the steady state's); 1 otherwise.
+        the run's ramp, whose contexts are a share of the busiest part's); 1 otherwise.
+
+    Raises:
+      ValueError: replay_kv_share outside (0, 1].
     """
 
     rate: float
@@ -44,6 +47,11 @@ class Demand:
     requests: tuple[Request, ...] = ()
     working_set_tokens: float | None = None
     replay_kv_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        share = self.replay_kv_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"Demand.replay_kv_share must be in (0, 1], got {share!r}")
 
 
 @dataclasses.dataclass(frozen=True)

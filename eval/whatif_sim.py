@@ -65,8 +65,9 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
     """
     if not options or not routers or not sample:
         raise ValueError("replay_choice needs options, routers and a non-empty sample")
-    if not 0.0 < kv_share <= 1.0:
-        raise ValueError(f"kv_share must be in (0, 1], got {kv_share}")
+    if isinstance(kv_share, bool) or not isinstance(kv_share, (int, float)) or not (
+            0.0 < kv_share <= 1.0):
+        raise ValueError(f"kv_share must be a number in (0, 1], got {kv_share!r}")
     # The same demand is replayed for each Vertumnus variant of a run: remember the last few
     # answers, keyed by the objects themselves (kept alive in the entry, so ids stay valid).
     key = (tuple(map(tuple, options)), tuple(routers), tag, id(sample), id(cost_model),

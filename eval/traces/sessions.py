@@ -282,8 +282,9 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
       warm_prefix_pct: share this fraction of each session's tool + system prefix across all
         sessions, in [0, 1] (module doc; 0 = sessions share nothing).
       skip_malformed: drop and count malformed session files instead of raising.
-      subset: which of the folder's session files, sorted by name, to load (e.g.
-        `slice(0, None, 2)`: every other one, a held-out half; `eval.robustness`).
+      subset: which of the session files, sorted by name, to load (e.g. `slice(0, None,
+        2)`: the first, third, ...: a held-out half; `eval.robustness`); a single file is
+        the list of one.
 
     Every `*.json` entry of the folder must be a regular file of at most
     `eval.traces.parsing.MAX_LINE_BYTES` bytes nesting JSON at most `MAX_JSON_DEPTH` levels
@@ -294,7 +295,8 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
       TraceFormatError: a malformed session file (naming the file and the field; the line too
         for JSON nested too deeply), a folder without session files, or a path that is neither
         a regular file nor a folder (a FIFO, a device).
-      ValueError: block_size < 1, or warm_prefix_pct outside [0, 1].
+      ValueError: block_size < 1, warm_prefix_pct outside [0, 1], or a subset that is not a
+        slice or selects no file.
     """
     _check_block_size(block_size)
     if not (isinstance(warm_prefix_pct, (int, float)) and 0.0 <= warm_prefix_pct <= 1.0):
@@ -305,10 +307,16 @@ def load_sessions(path: str | pathlib.Path, block_size: int = 512, warm_prefix_p
     mode = os.stat(path).st_mode
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise TraceFormatError(path, None, None, f"is {_kind(mode)}: {_MUST}")
-    files = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json")[subset]
+    if not isinstance(subset, slice):
+        raise ValueError(f"subset must be a slice of the session files, got {subset!r}")
+    every = (sorted(f for f in path.iterdir() if f.suffix.lower() == ".json")
              if stat.S_ISDIR(mode) else [path])
-    if not files:
+    if not every:
         raise TraceFormatError(path, None, None, "no session files (*.json) in this folder")
+    files = every[subset]
+    if not files:
+        raise ValueError(f"subset {subset} selects none of the {len(every)} session files of "
+                         f"{path}")
     owner: dict[str, pathlib.Path] = {}  # request id -> its file
     load = _Loader(block_size, float(warm_prefix_pct))
     roots, skipped = [], 0

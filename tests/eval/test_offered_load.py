@@ -56,22 +56,61 @@ def test_demand_sample_is_the_runs_start_on_an_idle_pool(tmp_path):
     assert [r.request_id for r in short] == [rid for _, rid in expected[:3]]
 
 
-def test_replay_kv_share_is_the_ramps_share_of_the_steady_working_set(tmp_path):
-    # Instance durations on an idle pool: a = think 2 s + 2 x 10 x 10 ms = 2.2 s, b = 30 x 10 ms
-    # = 0.3 s. A sample spanning t seconds holds (min(2.2, t) + min(0.3, t)) / 2.5 of them.
+def test_replay_kv_share_is_the_ramps_share_of_the_busiest_working_set(tmp_path):
+    # Instance durations on an idle pool: a = 10 x 10 ms + think 2 s + 10 x 10 ms = 2.2 s,
+    # b = 30 x 10 ms = 0.3 s. A sample spanning t seconds holds (min(2.2, t) + min(0.3, t))
+    # of the run's busiest (min(2.2, W) + min(0.3, W)), W the start window.
     w = write_sessions(tmp_path / "s")
     load = SessionLoad(w, tpot_s=0.01, window_s=60.0, max_think_s=float("inf"))
-    assert sorted(load.instance_seconds()) == pytest.approx([0.3, 2.2])
+    assert load.instance_seconds() == pytest.approx([2.2, 0.3])
 
     def at(*times):
         return [Request(f"r{i}", t, 64, 1, (i,), 64) for i, t in enumerate(times)]
 
     assert load.replay_kv_share(at(5.0, 6.0)) == pytest.approx((1.0 + 0.3) / 2.5)
+    assert load.replay_kv_share(at(6.0, 5.0)) == pytest.approx((1.0 + 0.3) / 2.5)  # unsorted
     assert load.replay_kv_share(at(0.0, 0.2)) == pytest.approx(0.4 / 2.5)
     assert load.replay_kv_share(at(0.0, 3.0)) == 1.0
     assert load.replay_kv_share(at(1.0)) == 1.0
     capped = SessionLoad(w, tpot_s=0.01, window_s=60.0, max_think_s=1.0)  # think capped: 1.2 s
     assert capped.replay_kv_share(at(0.0, 1.0)) == pytest.approx((1.0 + 0.3) / 1.5)
+    # sessions start during the first second only: the run is busiest at 1 s, holding
+    # min(2.2, 1) + min(0.3, 1) = 1.3 s of instance time
+    short = SessionLoad(w, tpot_s=0.01, window_s=1.0, max_think_s=float("inf"))
+    assert short.replay_kv_share(at(0.0, 0.2)) == pytest.approx(0.4 / 1.3)
+    assert short.replay_kv_share(at(0.0, 5.0)) == 1.0
+
+
+def test_instance_seconds_count_the_subagents_the_parent_waits_for(tmp_path):
+    # p0 (10 tokens out) ends at 0.1 s; sub-agents x and y start then: x0 ends 0.2, x1 is sent
+    # 3 s later and ends 3.3; y0 ends 0.2; p1 is sent 60 - 4.5 = 55.5 s after the later one
+    # (a sub-agent entry's t is its end) and ends at 3.3 + 55.5 + 0.1 = 58.9 s.
+    folder = tmp_path / "s"
+    folder.mkdir()
+
+    def req(t, n, ids, think=None):
+        r = {"t": t, "type": "n", "in": n, "out": 10, "hash_ids": ids}
+        return r if think is None else {**r, "think_time": think}
+
+    x = {"t": 4.0, "type": "subagent", "agent_id": "x",
+         "requests": [req(0.0, 128, [7, 8]), req(3.0, 192, [7, 8, 9], think=3.0)]}
+    y = {"t": 4.5, "type": "subagent", "agent_id": "y", "requests": [req(0.0, 64, [5])]}
+    (folder / "p.json").write_text(json.dumps({
+        "id": "p", "block_size": 64, "hash_id_scope": "local", "requests": [
+            req(1.0, 256, [1, 2, 3, 4]), x, y, req(60.0, 320, [1, 2, 3, 4, 5], think=50.0)]}))
+    w = load_sessions(folder, block_size=64)
+    load = SessionLoad(w, tpot_s=0.01, window_s=60.0, max_think_s=float("inf"))
+    assert load.instance_seconds() == pytest.approx([58.9])
+
+
+@pytest.mark.parametrize("field, value", [("tpot_s", float("nan")), ("tpot_s", -0.01),
+                                          ("window_s", 0.0), ("window_s", float("inf")),
+                                          ("max_think_s", -1.0), ("max_think_s", True)])
+def test_session_load_names_a_bad_field(tmp_path, field, value):
+    w = write_sessions(tmp_path / "s")
+    kw = {**dict(tpot_s=0.01, window_s=60.0, max_think_s=60.0), field: value}
+    with pytest.raises(ValueError, match=f"SessionLoad.{field}"):
+        SessionLoad(w, **kw)
 
 
 class Linear:
@@ -112,7 +151,7 @@ def test_replay_at_a_kv_share_equals_a_simulation_on_smaller_caches():
     # A tiny share keeps each worker able to hold the longest prompt: nothing fails.
     tiny = replay_choice([[4]], {"cost": router}, sample, workers, Linear(), kv_share=1e-6)
     assert tiny[2][((4,), "cost")][0] == 0
-    for bad in (0.0, 1.5, float("nan")):
+    for bad in (0.0, 1.5, float("nan"), "0.5", None):
         with pytest.raises(ValueError, match="kv_share"):
             replay_choice([[4]], {"cost": router}, sample, workers, Linear(), kv_share=bad)
 
@@ -129,3 +168,11 @@ def test_demand_takes_a_given_sample_as_timed_and_counts_its_hits_within_it():
     assert d.sample == ((0.0, 2100, 0), (2.5, 2100, 1536))
     assert [r.request_id for r in d.requests] == ["x", "y"]
     assert d.max_input_len == 1000 and d.rate == 4.0
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="sample_size"):
+            env.demand(other, 4.0, sample_size=bad)
+    with pytest.raises(ValueError, match="at least one request"):
+        env.demand([], 4.0, sample=sample)
+    for share in (0.0, 1.5, float("nan"), None):
+        with pytest.raises(ValueError, match="replay_kv_share"):
+            dataclasses.replace(d, replay_kv_share=share)

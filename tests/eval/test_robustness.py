@@ -32,6 +32,14 @@ def test_session_subset_loads_every_other_file(tmp_path):
     odd = load_sessions(tmp_path, block_size=64, subset=slice(1, None, 2))
     assert [even.sessions[r].session_id for r in even.roots] == ["a", "c", "e"]
     assert [odd.sessions[r].session_id for r in odd.roots] == ["b", "d"]
+    with pytest.raises(ValueError, match="selects none of the 5 session files"):
+        load_sessions(tmp_path, block_size=64, subset=slice(5, None))
+    with pytest.raises(ValueError, match="subset must be a slice"):
+        load_sessions(tmp_path, block_size=64, subset=0)
+    one = tmp_path / "a.json"
+    assert len(load_sessions(one, block_size=64, subset=slice(0, None, 2)).roots) == 1
+    with pytest.raises(ValueError, match="selects none of the 1 session files"):
+        load_sessions(one, block_size=64, subset=slice(1, None, 2))
 
 
 def test_cells_compare_with_the_best_baseline_per_load_and_count_the_line():
@@ -50,4 +58,23 @@ def test_cells_compare_with_the_best_baseline_per_load_and_count_the_line():
     got[1]["other_seeds"] = {1: -0.01}
     md = markdown(got)
     assert md[-1] == "1 of 2 cells within 2% of the best baseline, 0 below it."
-    assert "| p | m | 1.0 | `homogeneous-cp4` | 200 | 210 | +5.0% | 1: -1.0% |" in md
+    assert "| p | m | 1.0 | `homogeneous-cp4` | 200 | 210 | +5.0% | 0, 0 | 1: -1.0% |" in md
+
+
+def test_a_cell_without_a_mean_is_kept_without_a_verdict():
+    # every vertumnus request failed at 0.5; no baseline has a mean at 1.0
+    results = [{"system": "vertumnus", "load_factor": 0.5, "mean_ttft_ms": None, "failed": 7,
+                "request_rate": 5.0, "composition": [4], "final_composition": [4],
+                "reconfigurations": []},
+               {"system": "homogeneous-cp4", "load_factor": 0.5, "mean_ttft_ms": 100.0,
+                "failed": 0},
+               {"system": "vertumnus", "load_factor": 1.0, "mean_ttft_ms": 80.0, "failed": 0,
+                "request_rate": 10.0, "composition": [4], "final_composition": [4],
+                "reconfigurations": []},
+               {"system": "homogeneous-cp4", "load_factor": 1.0, "mean_ttft_ms": None,
+                "failed": 9}]
+    got = cells(results, "p", "m")
+    assert [c["change"] for c in got] == [None, None]
+    assert got[0]["failed"] == [7, 0] and got[1]["best_baseline"] is None
+    assert markdown(got)[-1] == ("0 of 2 cells within 2% of the best baseline, 0 below it; "
+                                 "2 without a result.")
