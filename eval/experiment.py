@@ -362,7 +362,7 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
         if rate not in demands:
             if isinstance(load, OpenLoad):
                 demands[rate] = env.demand(load.requests, rate)
-            else:  # closed-loop sessions: the run's first requests, at their steady pressure
+            else:  # closed-loop sessions: the run's first requests, at the run's busiest KV pressure
                 sample = load.demand_sample(rate, 1000)
                 demands[rate] = dataclasses.replace(
                     env.demand(load.requests, load.request_rate(rate), sample=sample),

@@ -9,8 +9,8 @@
   with the prefix an unbounded cache would give it (what the session itself made warm): with
   96 % of blocks reused inside sessions, the cold count would put load factor 1 at a few per
   cent of the pool's real load. Its demand sample for what-if replays is the run's own start on
-  an idle pool (`demand_sample`), replayed at the KV share its working set has of the steady
-  state's (`replay_kv_share`).
+  an idle pool (`demand_sample`), replayed at the KV share its working set has of the run's
+  busiest (`replay_kv_share`).
 
 `eval.experiment.run_sweep` drives both through the same steps.
 """
@@ -117,7 +117,7 @@ class SessionLoad:
     def working_set_tokens(self, rate: float) -> float:
         """The contexts the pool must keep for the sessions active at once in steady state at
         `rate` sessions/s (tokens): `rate x E[instance duration] x E[context]`, a duration
-        being its capped think times plus its decode, a context a session's mean input."""
+        as `instance_seconds`, a context a session's mean input."""
         w = self.workload
         durations = self.instance_seconds()
         contexts = [sum(w.requests[i].input_len for i in w.sessions[root].steps)

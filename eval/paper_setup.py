@@ -27,16 +27,12 @@ OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-noc
         "vertumnus-fetch")
 
 
-def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False, seed: int = 0,
-                     sessions: slice = slice(None)) -> dict:
+def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False) -> dict:
     """The six workloads of the comparison, by name (`LOADS`' keys), from the public traces.
 
     Args:
       traces_dir: the folder of the public traces (`../shared/traces`: its README).
       quick: the first `QUICK_REQUESTS` requests of each trace, a 600 s Tool-Agent run.
-      seed: seed of the generated or randomly ordered ones (Tool-Agent, the L-Eval CSV's order
-        and arrivals); the comparison uses 0.
-      sessions: which of the agent session files (sorted by name) to load.
 
     Returns:
       name -> requests (`SessionWorkload` for "agents", replayed closed-loop).
@@ -48,10 +44,10 @@ def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False, seed: 
     out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
            "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
            "leval-csv": load_trace(d / "leval" / "leval_requests_llama3tok.csv",
-                                   rate=1.0, seed=seed).requests,  # (rescaled per load)
-           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=seed),
+                                   rate=1.0, seed=0).requests,  # (rescaled per load)
+           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0),
            "code": load_trace(d / "azure2023" / "AzureLLMInferenceTrace_code.csv").requests}
     if quick:
         out = {k: v[:QUICK_REQUESTS] for k, v in out.items()}
-    out["agents"] = load_sessions(d / "agent_sessions", subset=sessions)
+    out["agents"] = load_sessions(d / "agent_sessions")  # closed-loop; --quick: shorter window
     return out

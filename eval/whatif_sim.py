@@ -13,8 +13,8 @@ A router that prices evicting live context prices it here at the share of placed
 reused (`LiveWorkingSet(rate="reuse")`): the sample starts from empty caches and is too short
 for contexts to be lost and asked for again, which the served router's rate counts.
 For closed-loop sessions the sample is the run's ramp (`eval.offered_load.SessionLoad.
-demand_sample`), whose sessions hold a share of the contexts the steady state's do: each worker's
-KV is cut to that share (`kv_share`, `SessionLoad.replay_kv_share`), so the replay sees the
+demand_sample`), whose sessions hold a share of the contexts the run holds at its busiest: each
+worker's KV is cut to that share (`kv_share`, `SessionLoad.replay_kv_share`), so the replay sees the
 evictions a composition of smaller workers will suffer (eval/RESULTS.md, item 9).
 
 Cost: (compositions x routers) short simulations, about 1-3 s per system on one core; the
@@ -39,7 +39,8 @@ _CACHE: dict[tuple, tuple] = {}  # one system build's replays, reused by the nex
 def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[[], Router]],
                   sample: Sequence[Request], workers: Callable[[Sequence[int]], list],
                   cost_model, kv_bytes_per_token: int = 0, tag: Hashable = None,
-                  kv_share: float = 1.0) -> tuple[list[int], str, dict[tuple[tuple[int, ...], str], tuple[int, float]]]:
+                  kv_share: float = 1.0
+                  ) -> tuple[list[int], str, dict[tuple[tuple[int, ...], str], tuple[int, float]]]:
     """The (composition, router) of least mean TTFT when `sample` is simulated through each.
 
     Args:
