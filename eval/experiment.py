@@ -366,7 +366,6 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
                 sample = load.demand_sample(rate, 1000)
                 demands[rate] = dataclasses.replace(
                     env.demand(load.requests, load.request_rate(rate), sample=sample),
-                    working_set_tokens=load.working_set_tokens(rate),
                     replay_kv_share=load.replay_kv_share(sample))
         system = env.build_system(name, demands[rate])
         par = system.parallelism

@@ -114,17 +114,6 @@ class SessionLoad:
             out[i] = max(out[i], end)
         return out
 
-    def working_set_tokens(self, rate: float) -> float:
-        """The contexts the pool must keep for the sessions active at once in steady state at
-        `rate` sessions/s (tokens): `rate x E[instance duration] x E[context]`, a duration
-        as `instance_seconds`, a context a session's mean input."""
-        w = self.workload
-        durations = self.instance_seconds()
-        contexts = [sum(w.requests[i].input_len for i in w.sessions[root].steps)
-                    / len(w.sessions[root].steps) for root in w.roots]
-        n = len(w.roots)
-        return rate * (sum(durations) / n) * (sum(contexts) / n)
-
     def replay_kv_share(self, sample: Sequence[Request]) -> float:
         """The share of each worker's KV a what-if replay of `sample` (`demand_sample`) gives
         it, so that the sample's sessions press on the caches as the run's do at its busiest.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import sys
 import time
 
@@ -28,17 +27,15 @@ from absl import app, flags
 from eval import report
 from eval.experiment import ReplayConfig, ReplayEnv, run_sweep, simulate_system
 from eval.metrics import summarize
-from eval.paper_setup import (AGENT_WINDOW_S, LOADS, OURS, QUICK_AGENT_WINDOW_S, SETUPS,
-                               shared_workloads)
+from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS, OURS,
+                               QUICK_AGENT_WINDOW_S, SETUPS, shared_workloads)
 from eval.traces.scenarios import Phase, phase_of, phased_workload
 from eval.slo import SloSpec, assign_slos
 from eval.systems import register_system, vertumnus_system
 from serving.policy.composition import CompositionConfig
 
-# The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
-_TRACES = os.environ.get("VERTUMNUS_TRACES_DIR") or str(
-    pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces")
-_TRACES_DIR = flags.DEFINE_string("traces_dir", _TRACES, "Folder of the public traces.")
+_TRACES_DIR = flags.DEFINE_string("traces_dir", DEFAULT_TRACES_DIR,
+                                  "Folder of the public traces.")
 _OUT = flags.DEFINE_string("output_dir", "eval/results", "Where results and plots go (the "
                            "default is the committed results that eval/RESULTS.md discusses).")
 _PARTS = flags.DEFINE_list("parts", ["sweep", "reconfig", "sensitivity"], "What to run.")

@@ -6,12 +6,16 @@ the workloads), so both sweep the same cells.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from eval.traces.loaders import load_trace
 from eval.traces.sessions import load_sessions
 from eval.traces.workloads import tool_agent_workload
 
+# The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
+DEFAULT_TRACES_DIR = os.environ.get("VERTUMNUS_TRACES_DIR") or str(
+    pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces")
 BASELINES_24 = ("homogeneous-cp2", "homogeneous-cp4", "static-threshold", "vllm-tp4",
                 "sglang-cp4", "dynamo-cp4", "mooncake-cp4")
 BASELINES_48 = ("homogeneous-cp4", "homogeneous-cp8", "static-threshold", "sglang-cp4",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
@@ -33,8 +32,8 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from eval.experiment import ReplayConfig, run_sweep
-from eval.paper_setup import (AGENT_WINDOW_S, LOADS, OURS, QUICK_AGENT_WINDOW_S,
-                              QUICK_REQUESTS, SETUPS, shared_workloads)
+from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS, OURS,
+                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS, shared_workloads)
 from eval.traces.loaders import load_trace
 from eval.traces.sessions import load_sessions
 from eval.traces.workloads import tool_agent_workload
@@ -46,9 +45,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The command line's flags (defined only when run as a program, so that importing this
     module beside `eval.paper`, which has flags of the same names, is fine)."""
-    traces = os.environ.get("VERTUMNUS_TRACES_DIR") or str(
-        pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "traces")
-    flags.DEFINE_string("traces_dir", traces, "Folder of the public traces.")
+    flags.DEFINE_string("traces_dir", DEFAULT_TRACES_DIR, "Folder of the public traces.")
     flags.DEFINE_string("output_dir", "out/robustness", "Where the JSON and table go.")
     flags.DEFINE_list("models", [m for m, _, _ in SETUPS],
                       f"Setups to run, among {[m for m, _, _ in SETUPS]}.")

@@ -29,9 +29,6 @@ class Demand:
         for what-if replays (`serving.policy.whatif`); empty when unknown.
       requests: the same sample as `Request`s (block hashes included), for simulated what-if
         replays (`eval.whatif_sim`); empty when unknown.
-      working_set_tokens: the contexts the pool must keep at once in steady state (tokens;
-        closed-loop sessions, `eval.offered_load.SessionLoad.working_set_tokens`); None when
-        unknown.
       replay_kv_share: the share of each worker's KV capacity the simulated what-if replays
         give it, in (0, 1] (closed-loop sessions, `SessionLoad.replay_kv_share`: the sample is
         the run's ramp, whose contexts are a share of the busiest part's); 1 otherwise.
@@ -45,7 +42,6 @@ class Demand:
     max_input_len: int
     sample: tuple[tuple[float, int, int], ...] = ()
     requests: tuple[Request, ...] = ()
-    working_set_tokens: float | None = None
     replay_kv_share: float = 1.0
 
     def __post_init__(self) -> None:

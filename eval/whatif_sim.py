@@ -79,13 +79,13 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
     config = SimConfig(kv_bytes_per_token=kv_bytes_per_token, tick_interval=0.0)
     scores: dict[tuple[tuple[int, ...], str], tuple[int, float]] = {}
     for comp in options:
+        specs = _shrunk(workers(comp), kv_share, sample)  # (the same for every router)
         for name, make in routers.items():
             router = make()
             live = getattr(router, "live", None)
             if isinstance(live, LiveWorkingSet):  # (module doc)
                 router.live = LiveWorkingSet(live.horizon_s, rate="reuse")
-            records = simulate(sample, _shrunk(workers(comp), kv_share, sample), cost_model,
-                               router, cost_model.predict,
+            records = simulate(sample, list(specs), cost_model, router, cost_model.predict,
                                config, prefix_index=PrefixIndex())
             ok = [r.ttft for r in records if r.ok]
             scores[(tuple(comp), name)] = (len(records) - len(ok),
