@@ -9,33 +9,40 @@ of its workloads, each a workload the comparison never ran whole:
   its own capacity rate;
 - the agent session files taken alternately in name order (first, third, ... and second,
   fourth, ...), 80 sessions each;
-- Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0).
+- Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0);
+- four synthetic stand-ins for short-prompt production traffic, of which we have no trace
+  (`eval.traces.synthetic.SYNTHETIC`, drawn with seed 1: one-off short prompts under Poisson
+  and bursty arrivals, one system prompt before short questions, mid-length prompts), swept
+  at the code trace's load factors (the system prompt, cached, at 2 to 8: `LOADS`).
 
 Per cell: `vertumnus`'s mean TTFT against the best baseline there (chosen in hindsight, as in
 `eval.paper`), and whether it is within the 2 % of issue 15's target. A cell above the line is
 run again under the seeds of `--seeds` (`ReplayConfig.seed`: the ground truth's per-request
 noise and, for sessions, their start times) with the same systems, to tell a systematic loss
 from the cell's own seed-to-seed spread. Prints a markdown table and writes
-`<output_dir>/robustness.json` and `robustness.md`. About 10 minutes on one core (`--quick`:
-about 2, short parts whose cells are not the full run's).
+`<output_dir>/robustness.json` and `robustness.md`. About 15 minutes on one core (`--parts
+stand-in`: only the parts whose name contains "stand-in"; `--quick`: about 2, short parts
+whose cells are not the full run's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from absl import app, flags
 
 from eval.experiment import ReplayConfig, run_sweep
 from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS, OURS,
-                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS, shared_workloads)
+                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS)
 from eval.traces.loaders import load_trace
 from eval.traces.sessions import load_sessions
+from eval.traces.synthetic import SYNTHETIC, synthetic_workload
 from eval.traces.workloads import tool_agent_workload
 from serving.policy.request import Request
 
@@ -52,6 +59,9 @@ def define_flags() -> None:
     flags.DEFINE_list("seeds", ["1", "2"], "Seeds a cell above the line is re-run under "
                       "(integers; empty: none).")
     flags.DEFINE_bool("quick", False, "Short parts and two loads (smoke run).")
+    flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
+                      "strings (comma-separated, case-insensitive; empty: every part; an "
+                      "unmatched one lists the part names).")
 
 
 LINE = 0.02  # issue 15: at most 2 % above the best baseline
@@ -74,26 +84,56 @@ def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
     return out[0], out[1]
 
 
-def parts(traces_dir: str, quick: bool) -> dict[str, tuple[str, object]]:
-    """Part name -> (the workload it is a part of, its requests or sessions); each trace is
-    read once."""
-    base = shared_workloads(traces_dir, quick)
+def part_loaders(traces_dir: str, quick: bool
+                 ) -> dict[str, tuple[str, Callable[[], object]]]:
+    """Part name -> (the workload it is a part of, a function that builds its requests or
+    sessions). Nothing is read until a function is called; each trace is read once."""
     d = pathlib.Path(traces_dir)
-    out: dict[str, tuple[str, object]] = {}
-    for name, trace in (("production", "Mooncake conversation"), ("leval", "Mooncake synthetic"),
-                        ("code", "Azure code")):
-        first, second = halves(base[name])
-        out[f"{name} ({trace}), first half"] = (name, first)
-        out[f"{name} ({trace}), second half"] = (name, second)
-    for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
-        out[f"agents, session files {label}"] = ("agents", load_sessions(
-            d / "agent_sessions", subset=sl))
     n = QUICK_REQUESTS if quick else None
-    out["toolagent, generated with seed 1"] = ("toolagent", tool_agent_workload(
+
+    @functools.cache
+    def read(path: str) -> list[Request]:
+        return load_trace(d / path).requests[:n]
+
+    out: dict[str, tuple[str, Callable[[], object]]] = {}
+    for wname, trace, path in (("production", "Mooncake conversation",
+                                "mooncake/conversation_trace.jsonl"),
+                               ("leval", "Mooncake synthetic", "mooncake/synthetic_trace.jsonl"),
+                               ("code", "Azure code", "azure2023/AzureLLMInferenceTrace_code.csv")):
+        for i, label in enumerate(("first half", "second half")):
+            out[f"{wname} ({trace}), {label}"] = (wname, lambda p=path, i=i: halves(read(p))[i])
+    for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
+        out[f"agents, session files {label}"] = ("agents", lambda sl=sl: load_sessions(
+            d / "agent_sessions", subset=sl))
+    out["toolagent, generated with seed 1"] = ("toolagent", lambda: tool_agent_workload(
         duration_s=600.0 if quick else 3600.0, seed=1)[:n])
-    out["leval-csv (L-Eval CSV), drawn with seed 1"] = ("leval-csv", load_trace(
+    out["leval-csv (L-Eval CSV), drawn with seed 1"] = ("leval-csv", lambda: load_trace(
         d / "leval" / "leval_requests_llama3tok.csv", rate=1.0, seed=1).requests[:n])
+    for name, config in SYNTHETIC.items():  # (a cached system prompt: its own load factors)
+        out[f"stand-in: {name}"] = ("synthetic-prefix" if config.shared_prefix_len else
+                                    "synthetic", lambda c=config: synthetic_workload(c, 1)[:n])
     return out
+
+
+def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[str] | None
+           ) -> dict[str, tuple[str, Callable[[], object]]]:
+    """The parts whose name contains one of the strings of `only` (case-insensitive, blanks
+    around them ignored); every part when `only` is empty or None.
+
+    Raises:
+      ValueError: `only` is a single string, has only blank strings, or matches no part.
+    """
+    if isinstance(only, str):
+        raise ValueError(f"only must be a sequence of strings, not the string {only!r}")
+    given = list(only or ())
+    keys = [k.strip().lower() for k in given if k.strip()]
+    if given and not keys:
+        raise ValueError(f"--parts {given} has only blank entries: give one or more parts of "
+                         f"part names, among {list(loaders)}")
+    chosen = {p: v for p, v in loaders.items() if not keys or any(k in p.lower() for k in keys)}
+    if not chosen:
+        raise ValueError(f"--parts {given} matches none of the parts: {list(loaders)}")
+    return chosen
 
 
 def cells(results: list[dict], part: str, model: str) -> list[dict]:
@@ -147,11 +187,12 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence[str],
-        quick: bool) -> list[dict]:
-    """Runs every part (`parts`) for each setup in `models`; returns the cells and writes them.
+        quick: bool, only: Sequence[str] | None = ()) -> list[dict]:
+    """Runs every part (`part_loaders`) for each setup in `models`; returns the cells and
+    writes them. With `only`, just the parts `select` picks (reading only what they need).
 
     Raises:
-      ValueError: an unknown model or a seed that is not an integer.
+      ValueError: an unknown model, a seed that is not an integer, or a bad `only` (`select`).
       OSError: a trace cannot be read, or the output cannot be written.
     """
     setups = {m: (d, b) for m, d, b in SETUPS}
@@ -164,10 +205,12 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
         seeds = [int(s) for s in seeds]
     except ValueError:
         raise ValueError(f"--seeds must be integers, got {list(seeds)}") from None
+    chosen = select(part_loaders(traces_dir, quick), only)
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
     rows: list[dict] = []
-    for part, (wname, reqs) in parts(traces_dir, quick).items():
+    for part, (wname, load) in chosen.items():
+        reqs = load()
         for model in models:
             degrees, baselines = setups[model]
 
@@ -204,7 +247,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        run(FLAGS.traces_dir, FLAGS.output_dir, FLAGS.models, FLAGS.seeds, FLAGS.quick)
+        run(FLAGS.traces_dir, FLAGS.output_dir, FLAGS.models, FLAGS.seeds, FLAGS.quick,
+            FLAGS.parts)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 

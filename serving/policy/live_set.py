@@ -51,7 +51,12 @@ without a write, so `over_w` underestimates by at most those. Workers that leave
 moved into the new workers' caches, so the pool's live working set (`total`) counts them
 where no active worker has them live. Where every worker's live set fits E is 0 and placement
 is unchanged; a live set counts every block placed within the horizon, reused or not, so with
-small workers it can exceed the KV capacity on production traffic too.
+small workers it can exceed the KV capacity on production traffic too. Before any placement
+is predicted to push a live block out, p is 1 and the price keeps placements off workers
+whose live set is full while another has room, so the first evidence comes only when every
+candidate's is: on one-off short prompts (a synthetic stand-in) that took 18,167 of a 44 s
+run's 20,000 placements, +4.5 % mean TTFT; a prior from the reuse seen so far avoids it but
+costs the Mooncake synthetic trace more (eval/RESULTS.md, "Synthetic stand-ins").
 
 Plain Python over plain data; `now` is passed in, never read from a clock.
 """

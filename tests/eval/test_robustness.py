@@ -78,3 +78,42 @@ def test_a_cell_without_a_mean_is_kept_without_a_verdict():
     assert got[0]["failed"] == [7, 0] and got[1]["best_baseline"] is None
     assert markdown(got)[-1] == ("0 of 2 cells within 2% of the best baseline, 0 below it; "
                                  "2 without a result.")
+
+
+def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
+    import eval.robustness as rb
+
+    ran, loaded = [], []
+    loaders = {"code (Azure code), first half": ("code", lambda: loaded.append("code") or []),
+               "stand-in: short prompts (Poisson)": (
+                   "synthetic", lambda: loaded.append("short") or [])}
+    monkeypatch.setattr(rb, "part_loaders", lambda d, q: loaders)
+
+    def fake_sweep(reqs, wname, cfg):
+        ran.append((wname, cfg.load_factors))
+        return [{"system": s, "load_factor": lf, "mean_ttft_ms": 100.0, "request_rate": 1.0,
+                 "composition": [4], "final_composition": [4], "reconfigurations": []}
+                for lf in cfg.load_factors for s in cfg.systems], None
+
+    monkeypatch.setattr(rb, "run_sweep", fake_sweep)
+    rows = rb.run(str(tmp_path), str(tmp_path / "out"), ["qwen3-32b"], [], False, [" STAND-IN "])
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5))] and loaded == ["short"]  # (only it read)
+    assert {r["part"] for r in rows} == {"stand-in: short prompts (Poisson)"}
+    assert all(r["change"] == 0.0 for r in rows)
+    for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
+                         ([" ", ""], r"has only blank entries"),
+                         ("stand-in", r"only must be a sequence of strings, not the string")):
+        with pytest.raises(ValueError, match=message):
+            rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-32b"], [], False, bad)
+    assert not (tmp_path / "bad").exists()  # refused before the output folder is made
+    assert rb.select(loaders, None) == rb.select(loaders, []) == loaders
+
+
+def test_every_part_has_load_factors_and_reads_nothing_until_built(tmp_path):
+    from eval.paper_setup import LOADS
+    from eval.robustness import part_loaders
+
+    loaders = part_loaders(str(tmp_path / "no traces here"), quick=True)  # (no file is read)
+    assert len(loaders) == 14 and all(w in LOADS for w, _ in loaders.values())
+    assert loaders["stand-in: one system prompt"][0] == "synthetic-prefix"
+    assert len(loaders["stand-in: mid-length prompts"][1]()) == 1500  # --quick: QUICK_REQUESTS

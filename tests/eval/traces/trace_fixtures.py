@@ -4,15 +4,15 @@ traces are, skipping a test when one is absent, and hand-made trace lines. Not a
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import pytest
 
+from eval.paper_setup import DEFAULT_TRACES_DIR
+
 # The public traces live beside the repository (../shared/traces); VERTUMNUS_TRACES_DIR points
-# elsewhere for a checkout that is not laid out that way.
-TRACES = pathlib.Path(os.environ.get("VERTUMNUS_TRACES_DIR") or
-                      pathlib.Path(__file__).resolve().parents[3].parent / "shared" / "traces")
+# elsewhere for a checkout that is not laid out that way (`eval.paper_setup`).
+TRACES = pathlib.Path(DEFAULT_TRACES_DIR)
 CONV = TRACES / "mooncake" / "conversation_trace.jsonl"
 SYNTH = TRACES / "mooncake" / "synthetic_trace.jsonl"
 AZURE = TRACES / "azure2023" / "AzureLLMInferenceTrace_code.csv"
