@@ -78,6 +78,9 @@ def test_bad_bounds_seeds_and_block_sizes():
     for bad in (-1, None, 1.5, 2**64):
         with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
             synthetic_workload(c, seed=bad)
-    # numpy integers are integers
+    # numpy integers are integers, and an equal config (sigma 1 or 1.0) gives the same requests
+    one = SyntheticConfig(num_requests=3, sigma=1)
+    assert synthetic_workload(one) == synthetic_workload(SyntheticConfig(num_requests=3,
+                                                                         sigma=1.0))
     assert synthetic_workload(c, seed=np.int64(3), block_size=np.int64(16)) == \
         synthetic_workload(c, seed=3, block_size=16)
