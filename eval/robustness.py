@@ -10,7 +10,7 @@ of its workloads, each a workload the comparison never ran whole:
 - the agent session files taken alternately in name order (first, third, ... and second,
   fourth, ...), 80 sessions each;
 - Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0);
-- four synthetic stand-ins for short-prompt production traffic, of which we have no trace
+- four synthetic stand-ins for production traffic we have no trace of
   (`eval.traces.synthetic.SYNTHETIC`, drawn with seed 1: one-off short prompts under Poisson
   and bursty arrivals, one system prompt before short questions, mid-length prompts), swept
   at the code trace's load factors (the system prompt, cached, at 2 to 8: `LOADS`).

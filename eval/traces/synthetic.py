@@ -95,7 +95,7 @@ class SyntheticConfig:
 # short prompts (median 600 tokens) under Poisson and bursty (CV 3) arrivals, a 4,096-token
 # system prompt before short questions, and mid-length prompts (median 3,000, up to 30,000).
 # Short prompts are served at hundreds of requests per second: 20,000 of them make a run of
-# about a minute (6,000 ran 13 s with Qwen3-30B-A3B, too short for the controller's window,
+# 44 s with Qwen3-30B-A3B at load 0.9 (6,000 ran 13 s, too short for the controller's window,
 # and the initial choice's 1,000-request sample was a sixth of it).
 SYNTHETIC = {
     "short prompts (Poisson)": SyntheticConfig(num_requests=20_000),
