@@ -20,7 +20,8 @@ Per cell: `vertumnus`'s mean TTFT against the best baseline there (chosen in hin
 run again under the seeds of `--seeds` (`ReplayConfig.seed`: the ground truth's per-request
 noise and, for sessions, their start times) with the same systems, to tell a systematic loss
 from the cell's own seed-to-seed spread. Prints a markdown table and writes
-`<output_dir>/robustness.json` and `robustness.md`. About 15 minutes on one core (`--parts
+`<output_dir>/robustness.json` (the run's settings and its cells) and `robustness.md` (whose
+first line says what the run was). About 15 minutes on one core (`--parts
 stand-in`: only the parts whose name contains "stand-in"; `--quick`: about 2, short parts
 whose cells are not the full run's).
 """
@@ -186,6 +187,22 @@ def markdown(rows: list[dict]) -> list[str]:
     return md
 
 
+def settings_line(settings: dict) -> str:
+    """The markdown's first line: what the run was (a `--quick` or `--parts` run is not the
+    full one)."""
+    parts_ = (f"all {len(settings['parts'])} parts" if settings["all_parts"] else
+              "parts " + "; ".join(settings["parts"]))
+    return (f"Run: {'--quick (short parts, two loads), ' if settings['quick'] else ''}"
+            f"models {', '.join(settings['models'])}; {parts_}; re-run under noise seeds "
+            f"{', '.join(map(str, settings['seeds'])) or 'none'}.")
+
+
+def write_json(out: pathlib.Path, settings: dict, rows: list[dict]) -> None:
+    """`<out>/robustness.json`: `{"settings": ..., "cells": rows}`."""
+    (out / "robustness.json").write_text(json.dumps({"settings": settings, "cells": rows},
+                                                    indent=1))
+
+
 def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence[str],
         quick: bool, only: Sequence[str] | None = ()) -> list[dict]:
     """Runs every part (`part_loaders`) for each setup in `models`; returns the cells and
@@ -205,9 +222,12 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
         seeds = [int(s) for s in seeds]
     except ValueError:
         raise ValueError(f"--seeds must be integers, got {list(seeds)}") from None
-    chosen = select(part_loaders(traces_dir, quick), only)
+    loaders = part_loaders(traces_dir, quick)
+    chosen = select(loaders, only)
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
+    settings = {"models": models, "seeds": seeds, "quick": bool(quick),  # (what the files
+                "parts": list(chosen), "all_parts": len(chosen) == len(loaders)}  # record)
     rows: list[dict] = []
     for part, (wname, load) in chosen.items():
         reqs = load()
@@ -234,10 +254,10 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
                                 c.get("other_seeds", {}).items() if v is not None), flush=True)
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
             rows += got
-            (out / "robustness.json").write_text(json.dumps(rows, indent=1))  # (as it goes)
-    md = markdown(rows)
+            write_json(out, settings, rows)  # (as it goes)
+    md = [settings_line(settings), ""] + markdown(rows)
     print("\n".join(md))
-    (out / "robustness.json").write_text(json.dumps(rows, indent=1))
+    write_json(out, settings, rows)
     (out / "robustness.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'robustness.json'} and robustness.md")
     return rows

@@ -100,6 +100,14 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5))] and loaded == ["short"]  # (only it read)
     assert {r["part"] for r in rows} == {"stand-in: short prompts (Poisson)"}
     assert all(r["change"] == 0.0 for r in rows)
+    # the files say what the run was
+    saved = json.loads((tmp_path / "out" / "robustness.json").read_text())
+    assert saved["cells"] == rows and saved["settings"] == {
+        "models": ["qwen3-32b"], "seeds": [], "quick": False,
+        "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False}
+    assert (tmp_path / "out" / "robustness.md").read_text().splitlines()[0] == (
+        "Run: models qwen3-32b; parts stand-in: short prompts (Poisson); re-run under noise "
+        "seeds none.")
     for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
                          ([" ", ""], r"has only blank entries"),
                          ("stand-in", r"only must be a sequence of strings, not the string")):
