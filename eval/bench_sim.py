@@ -40,12 +40,12 @@ from absl import app, flags
 
 from eval.experiment import (ReplayConfig, ReplayEnv, intern_block_hashes, run_parallel_degrees,
                              simulate_system)
-from eval.paper_setup import DEFAULT_TRACES_DIR
+from eval.paper_setup import DEFAULT_TRACES_DIR, TRACE_FILES
 from eval.traces.loaders import load_trace
 from eval.traces.workloads import scale_to_rate
 
 # The public traces: $VERTUMNUS_TRACES_DIR, else ../shared/traces beside the repository.
-_DEFAULT_TRACE = pathlib.Path(DEFAULT_TRACES_DIR) / "mooncake" / "conversation_trace.jsonl"
+_DEFAULT_TRACE = pathlib.Path(DEFAULT_TRACES_DIR) / TRACE_FILES["production"]
 
 SYSTEMS = ("vertumnus", "vertumnus-paper", "vertumnus-nocache", "vertumnus-static", "homogeneous-cp2",
            "homogeneous-cp4", "leastwork-cp4", "static-threshold", "vllm-tp4", "sglang-cp4",

@@ -34,6 +34,12 @@ from serving.policy.request import Request, RequestRecord
 from serving.policy.scheduler import Scheduler
 
 
+# Finite per-worker caches keep part of what an unbounded shared cache would reuse (measured:
+# about 0.7 of it on the conversation trace, 0.5 on the synthetic one, nearly all on
+# Tool-Agent); 0.75 is the assumption of `ReplayEnv.demand`, not fitted per workload.
+SHARED_HITS_KEPT = 0.75
+
+
 @dataclasses.dataclass
 class ReplayEnv:
     """The profiles, cost models, pools and SLO reference derived from a `ReplayConfig`.
@@ -169,10 +175,7 @@ class ReplayEnv:
             raise ValueError("demand needs at least one request")
         if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
             raise ValueError(f"sample_size must be an integer >= 1, got {sample_size!r}")
-        # Finite per-worker caches keep part of what an unbounded shared cache would reuse
-        # (measured here: about 0.7 of it on the conversation trace, 0.5 on the synthetic one,
-        # nearly all on Tool-Agent); 0.75 is the assumption, not fitted per workload.
-        hits = prefix_hit_tokens(requests) * 0.75
+        hits = prefix_hit_tokens(requests) * SHARED_HITS_KEPT
         memo: dict[int, float] = {}
 
         def mean_seconds(c: int) -> float:
@@ -187,7 +190,7 @@ class ReplayEnv:
             picked_hits = hits[:n]
         else:
             picked = sorted(sample, key=lambda r: r.arrival_time)
-            picked_hits = prefix_hit_tokens(picked) * 0.75 if picked else []
+            picked_hits = prefix_hit_tokens(picked) * SHARED_HITS_KEPT if picked else []
         t0 = picked[0].arrival_time if picked else 0.0
         timed = tuple((r.arrival_time - t0, r.input_len, int(h))
                       for r, h in zip(picked, picked_hits))

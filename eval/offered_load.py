@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -103,7 +104,12 @@ class SessionLoad:
         """Per top-level session, how long an instance of it runs on an idle pool (seconds):
         from its start to the end of its last response, each response ending `output_len x
         tpot_s` after its request was sent and the next one sent its capped think time later;
-        its sub-agents run inside it (`ClosedLoop`: the parent's next step waits for them)."""
+        its sub-agents run inside it (`ClosedLoop`: the parent's next step waits for them).
+        Computed once per load (it does not depend on the rate)."""
+        return list(self._instance_seconds)
+
+    @functools.cached_property
+    def _instance_seconds(self) -> tuple[float, ...]:
         n = len(self.workload.roots)
         out = [0.0] * n
         # one instance of every session, all started at 0 (instance i runs root i)
@@ -112,7 +118,7 @@ class SessionLoad:
         for request, end in _idle_replay(loop, self.tpot_s):
             i = int(request.request_id.rpartition("@")[2])
             out[i] = max(out[i], end)
-        return out
+        return tuple(out)
 
     def replay_kv_share(self, sample: Sequence[Request]) -> float:
         """The share of each worker's KV a what-if replay of `sample` (`demand_sample`) gives

@@ -34,6 +34,14 @@ OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-noc
         "vertumnus-fetch")
 
 
+# The public trace files of the comparison's workloads, under the traces folder (its README).
+TRACE_FILES = {"production": "mooncake/conversation_trace.jsonl",
+               "leval": "mooncake/synthetic_trace.jsonl",
+               "leval-csv": "leval/leval_requests_llama3tok.csv",
+               "code": "azure2023/AzureLLMInferenceTrace_code.csv",
+               "agents": "agent_sessions"}
+
+
 def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False) -> dict:
     """The six workloads of the comparison, by name (`LOADS`' keys), from the public traces.
 
@@ -48,13 +56,13 @@ def shared_workloads(traces_dir: str | pathlib.Path, quick: bool = False) -> dic
       OSError, ValueError: a trace is missing or malformed (`eval.traces.loaders`).
     """
     d = pathlib.Path(traces_dir)
-    out = {"production": load_trace(d / "mooncake" / "conversation_trace.jsonl").requests,
-           "leval": load_trace(d / "mooncake" / "synthetic_trace.jsonl").requests,
-           "leval-csv": load_trace(d / "leval" / "leval_requests_llama3tok.csv",
-                                   rate=1.0, seed=0).requests,  # (rescaled per load)
-           "toolagent": tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0),
-           "code": load_trace(d / "azure2023" / "AzureLLMInferenceTrace_code.csv").requests}
+    out = {name: load_trace(d / TRACE_FILES[name]).requests
+           for name in ("production", "leval")}
+    out["leval-csv"] = load_trace(d / TRACE_FILES["leval-csv"], rate=1.0,
+                                  seed=0).requests  # (rescaled per load)
+    out["toolagent"] = tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=0)
+    out["code"] = load_trace(d / TRACE_FILES["code"]).requests
     if quick:
         out = {k: v[:QUICK_REQUESTS] for k, v in out.items()}
-    out["agents"] = load_sessions(d / "agent_sessions")  # closed-loop; --quick: shorter window
+    out["agents"] = load_sessions(d / TRACE_FILES["agents"])  # (--quick: a shorter window)
     return out

@@ -40,7 +40,7 @@ from absl import app, flags
 
 from eval.experiment import ReplayConfig, run_sweep
 from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS, OURS,
-                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS)
+                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS, TRACE_FILES)
 from eval.traces.loaders import load_trace
 from eval.traces.sessions import load_sessions
 from eval.traces.synthetic import SYNTHETIC, synthetic_workload
@@ -88,28 +88,27 @@ def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
 def part_loaders(traces_dir: str, quick: bool
                  ) -> dict[str, tuple[str, Callable[[], object]]]:
     """Part name -> (the workload it is a part of, a function that builds its requests or
-    sessions). Nothing is read until a function is called; each trace is read once."""
+    sessions). Nothing is read until a function is called; each trace is read and halved
+    once."""
     d = pathlib.Path(traces_dir)
     n = QUICK_REQUESTS if quick else None
 
     @functools.cache
-    def read(path: str) -> list[Request]:
-        return load_trace(d / path).requests[:n]
+    def halved(wname: str) -> tuple[list[Request], list[Request]]:
+        return halves(load_trace(d / TRACE_FILES[wname]).requests[:n])
 
     out: dict[str, tuple[str, Callable[[], object]]] = {}
-    for wname, trace, path in (("production", "Mooncake conversation",
-                                "mooncake/conversation_trace.jsonl"),
-                               ("leval", "Mooncake synthetic", "mooncake/synthetic_trace.jsonl"),
-                               ("code", "Azure code", "azure2023/AzureLLMInferenceTrace_code.csv")):
+    for wname, trace in (("production", "Mooncake conversation"),
+                         ("leval", "Mooncake synthetic"), ("code", "Azure code")):
         for i, label in enumerate(("first half", "second half")):
-            out[f"{wname} ({trace}), {label}"] = (wname, lambda p=path, i=i: halves(read(p))[i])
+            out[f"{wname} ({trace}), {label}"] = (wname, lambda w=wname, i=i: halved(w)[i])
     for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
         out[f"agents, session files {label}"] = ("agents", lambda sl=sl: load_sessions(
-            d / "agent_sessions", subset=sl))
+            d / TRACE_FILES["agents"], subset=sl))
     out["toolagent, generated with seed 1"] = ("toolagent", lambda: tool_agent_workload(
         duration_s=600.0 if quick else 3600.0, seed=1)[:n])
     out["leval-csv (L-Eval CSV), drawn with seed 1"] = ("leval-csv", lambda: load_trace(
-        d / "leval" / "leval_requests_llama3tok.csv", rate=1.0, seed=1).requests[:n])
+        d / TRACE_FILES["leval-csv"], rate=1.0, seed=1).requests[:n])
     for name, config in SYNTHETIC.items():  # (a cached system prompt: its own load factors)
         out[f"stand-in: {name}"] = ("synthetic-prefix" if config.shared_prefix_len else
                                     "synthetic", lambda c=config: synthetic_workload(c, 1)[:n])

@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 from eval.sim.simulator import SimConfig, simulate
 from serving.policy.live_set import LiveWorkingSet
 from serving.policy.prefix_index import PrefixIndex
-from serving.policy.request import Request
+from serving.policy.request import Request, num_blocks
 from serving.policy.router import Router
 
 
@@ -103,11 +103,10 @@ def _shrunk(specs: list, share: float, sample: Sequence[Request]) -> list:
     of the longest prompt of `sample` each one can hold whole."""
     if share == 1.0:
         return specs
+    sizes = [(r.input_len, num_blocks(r.input_len, r.block_size)) for r in sample]
     out = []
     for spec in specs:
         cap = spec.kv_capacity_blocks
-        longest = max((-(-r.input_len // r.block_size) for r in sample
-                       if r.input_len <= spec.max_input_len
-                       and -(-r.input_len // r.block_size) <= cap), default=1)
+        longest = max((b for n, b in sizes if n <= spec.max_input_len and b <= cap), default=1)
         out.append(dataclasses.replace(spec, kv_capacity_blocks=max(int(cap * share), longest)))
     return out
