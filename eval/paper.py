@@ -42,7 +42,8 @@ _PARTS = flags.DEFINE_list("parts", ["sweep", "reconfig", "sensitivity"], "What 
 _QUICK = flags.DEFINE_bool("quick", False, "Short workloads and two loads (smoke run).")
 
 # Per-load table columns after Vertumnus's own: the paper's policy, then the ablations.
-VARIANTS = ("vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache", "vertumnus-fetch")
+VARIANTS = ("vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache", "vertumnus-fetch",
+            "vertumnus-fcfs")
 # The paper's mean-TTFT reductions at the highest load (issue 15's reading of the paper).
 PAPER_REDUCTION = {"production": "28.1 %", "leval": "13.9 %", "leval-csv": "13.9 %",
                    "toolagent": "21.0 %",
@@ -92,8 +93,8 @@ def summary_tables(sweep: dict) -> list[str]:
            "(ms) | Vertumnus mean TTFT (ms) | change | its tok-w SLO | Vertumnus tok-w SLO | "
            "Vertumnus workers (start -> end), reconfigurations | the paper's policy (ms) | "
            "paper + replayed initial choice (ms) | without cache manager (ms) | "
-           "with prefix fetch (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "with prefix fetch (ms) | FCFS queues (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, v in sweep.items():
         w, model, deg = key.split("/")
         for rate in sorted({r["request_rate"] for r in v["results"]}):

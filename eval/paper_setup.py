@@ -31,7 +31,7 @@ LOADS = {"production": (0.6, 0.9, 1.1, 1.3), "leval": (0.6, 0.9, 1.2, 1.5),
 AGENT_WINDOW_S = 3600.0  # agent sessions start during the first hour (eval.replay's default)
 QUICK_REQUESTS, QUICK_AGENT_WINDOW_S = 1500, 600.0  # --quick: shorter traces and windows
 OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache",
-        "vertumnus-fetch")
+        "vertumnus-fetch", "vertumnus-fcfs")
 
 
 # The public trace files of the comparison's workloads, under the traces folder (its README).

@@ -10,8 +10,10 @@ per degree, the fitted cost model). Built in here:
   demand sample is simulated through each (`vertumnus_system`), the placement cost charging
   the live context it evicts (`serving.policy.live_set`), the what-if split/merge controller
   (`serving.policy.composition.CompositionController`) and the global prefix-cache manager;
-  ablations `vertumnus-nocache`, `vertumnus-static` (no controller, no cache manager) and
-  `vertumnus-fetch` (`serving.policy.fetch_router.FetchingVertumnusRouter` forced);
+  ablations `vertumnus-nocache`, `vertumnus-static` (no controller, no cache manager),
+  `vertumnus-fetch` (`serving.policy.fetch_router.FetchingVertumnusRouter` forced) and
+  `vertumnus-fcfs` (queued prefills start first come, first served instead of shortest
+  predicted first, `serving.policy.queue_order`);
 - `vertumnus-paper`: the policy as the paper describes it (initial composition with the most
   large-degree workers that has enough capacity, G against the cheapest worker, the threshold
   controller `serving.policy.controller.ReconfigurationController`); `vertumnus-paper+replay`
@@ -52,6 +54,7 @@ from serving.policy.live_set import DEFAULT_HORIZON_S
 from serving.policy.plugins import call_plugin, construct_router, guard_system, import_spec
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.queue_order import FCFS, SJF, QueueOrder
 from serving.policy.router import LeastWorkRouter, Router
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import homogeneous_degrees
@@ -114,7 +117,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
                      control: str = "whatif",
                      composition_config: CompositionConfig | None = None,
                      live_horizon_s: float | None = DEFAULT_HORIZON_S,
-                     congestion_price: bool = True) -> System:
+                     congestion_price: bool = True, queue_order: QueueOrder = SJF) -> System:
     """Vertumnus: placement-cost router, split/merge controller and prefix-cache manager.
 
     `initial`: "replay" starts from the composition and router rule of least mean TTFT when the
@@ -124,7 +127,9 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     `mixed_degrees` when no demand is known. `control`: "whatif" (`CompositionController`) or
     "paper" (`ReconfigurationController`). `gpu_cost`, `beta`, `lam`, `live_horizon_s` (None:
     no eviction cost) and `congestion_price` (lambda grows with the backlog) are the router's;
-    `fetch` forces `FetchingVertumnusRouter` (True) or not.
+    `fetch` forces `FetchingVertumnusRouter` (True) or not. `queue_order`: the order in which
+    a worker's queued prefills start (`serving.policy.queue_order`; shortest predicted prefill
+    first by default, FCFS for the paper's policy).
     """
     degrees = sorted(set(pool.degrees))
     ctl_cfg = dataclasses.replace(controller_config or ControllerConfig(),
@@ -133,7 +138,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
     if d is not None:  # keep a worker able to hold the longest prompt seen
         need = next((c for c in degrees if pool.max_input_len(c) >= d.max_input_len), degrees[-1])
     knobs = dict(beta=beta, lam=lam, live_horizon_s=live_horizon_s,
-                 congestion_price=congestion_price)
+                 congestion_price=congestion_price, queue_order=queue_order)
 
     def make_router(fetching: bool, g: str) -> VertumnusRouter:
         if fetching:
@@ -155,7 +160,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         comp, chosen, _ = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
             tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s,
-                 live_horizon_s, congestion_price), kv_share=d.replay_kv_share)
+                 live_horizon_s, congestion_price, queue_order), kv_share=d.replay_kv_share)
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
     elif d is not None and initial == "whatif" and d.sample:
@@ -187,7 +192,7 @@ MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {
 def _paper(name: str, **kw) -> Callable[[PoolConfig], System]:
     """The paper's policy, with `kw` switching this project's changes on one at a time."""
     base = dict(gpu_cost="worker", initial="paper", control="paper", live_horizon_s=None,
-                congestion_price=False)
+                congestion_price=False, queue_order=FCFS)
     return lambda pool: vertumnus_system(pool, name=name, **{**base, **kw})
 
 
@@ -214,6 +219,8 @@ register_system("vertumnus-nocache", lambda pool: vertumnus_system(
     pool, cache_manager=False, name="vertumnus-nocache"))
 register_system("vertumnus-fetch", lambda pool: vertumnus_system(
     pool, fetch=True, name="vertumnus-fetch"))
+register_system("vertumnus-fcfs", lambda pool: vertumnus_system(
+    pool, queue_order=FCFS, name="vertumnus-fcfs"))
 register_system("static-threshold", _static_threshold)
 register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))
 register_system("sglang-cp4", _homogeneous4("sglang-cp4", lambda p: SglangCacheAwareRouter()))

@@ -52,7 +52,8 @@ class Engine(EngineAdmin):
       cost_model: the router's prefill-time estimate (`PrefillCostModel`).
       num_devices: devices of the pool (the controller's capacity).
       router: defaults to `VertumnusRouter(config.beta, config.lam, live_horizon_s=config.
-        live_horizon_s, congestion_price=config.congestion_price)`.
+        live_horizon_s, congestion_price=config.congestion_price, queue_order=config.
+        queue_order)`.
       hash_prompt: `token_ids -> block hashes` (ceil(L / block_size) of them).
       on_record: called with every `Completion`; more go in `record_hooks` (metrics).
       degrees: CP degrees workers may have after a split or merge (default: those of
@@ -72,7 +73,8 @@ class Engine(EngineAdmin):
         self._hash_prompt = hash_prompt
         self._router = router or VertumnusRouter(beta=config.beta, lam=config.lam,
                                                  live_horizon_s=config.live_horizon_s,
-                                                 congestion_price=config.congestion_price)
+                                                 congestion_price=config.congestion_price,
+                                                 queue_order=config.queue_order)
         self.record_hooks: list[Callable[[Completion], None]] = [on_record] if on_record else []
         self.scheduler: Scheduler | None = None
         self.backend = None

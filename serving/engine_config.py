@@ -12,6 +12,7 @@ import math
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.composition import CompositionConfig
 from serving.policy.controller import ControllerConfig
+from serving.policy.queue_order import FCFS, QueueOrder
 from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.request import RequestRecord
 
@@ -47,6 +48,9 @@ class EngineConfig:
       congestion_price: price GPU time at `lam` plus the backlog every worker carries (the
         requests queued on the least-queued worker, times the workers, per GPU;
         `VertumnusRouter`; the simulator's `vertumnus` does), or at `lam` (the paper's).
+      queue_order: the order in which a worker's queued prefills start, a `QueueOrder`
+        (`serving.policy.queue_order`): FCFS (the paper's) by default; the simulator's
+        `vertumnus` starts the shortest predicted prefill first (SJF).
       controller: run the split/merge controller; `controller_config` its thresholds.
       controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
         "whatif" (`serving.policy.composition.CompositionController`, the simulator's default
@@ -70,6 +74,7 @@ class EngineConfig:
     lam: float = 1.0
     live_horizon_s: float | None = None
     congestion_price: bool = False
+    queue_order: QueueOrder = FCFS
     controller: bool = True
     controller_config: ControllerConfig = ControllerConfig()
     controller_policy: str = "paper"
@@ -100,6 +105,8 @@ class EngineConfig:
         if not isinstance(self.congestion_price, bool):
             raise ValueError(f"congestion_price must be True or False, got "
                              f"{self.congestion_price!r}")
+        if not isinstance(self.queue_order, QueueOrder):
+            raise ValueError(f"queue_order must be a QueueOrder, got {self.queue_order!r}")
         if not (math.isfinite(self.scaleout_gb_per_s) and self.scaleout_gb_per_s >= 0):
             raise ValueError(f"scaleout_gb_per_s must be a finite number >= 0 GB/s, got "
                              f"{self.scaleout_gb_per_s}")

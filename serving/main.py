@@ -29,6 +29,7 @@ from absl import app, flags, logging
 
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.controller import ControllerConfig
+from serving.policy.queue_order import parse_queue_order
 from serving.engine import EngineConfig
 from serving.server import ServerConfig
 
@@ -66,6 +67,13 @@ _CONGESTION = flags.DEFINE_boolean(
     "congestion_price", False, "Price the router's GPU time at --lam plus the backlog every "
     "worker carries: the requests queued on the least-queued worker, times the workers, per GPU "
     "(serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
+_QUEUE_ORDER = flags.DEFINE_string(
+    "queue_order", "fcfs", "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
+    "'sjf' (shortest predicted prefill first, the simulator's vertumnus) or 'sjf:S' (SJF, but a "
+    "request queued longer than S seconds starts next); serving/policy/queue_order.py.")
+flags.register_multi_flags_validator(
+    ["router", "queue_order"], lambda f: not (f["router"] and f["queue_order"] != "fcfs"),
+    message="--queue_order sets Vertumnus's own router; it does not apply with --router")
 flags.register_multi_flags_validator(
     ["router", "live_horizon_s"], lambda f: not (f["router"] and f["live_horizon_s"]),
     message="--live_horizon_s sets Vertumnus's own router; it does not apply with --router")
@@ -186,6 +194,7 @@ def server_config() -> ServerConfig:
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
             live_horizon_s=_LIVE.value or None, congestion_price=_CONGESTION.value,
+            queue_order=parse_queue_order(_QUEUE_ORDER.value),
             controller=_CONTROLLER.value, controller_config=ctl,
             controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,

@@ -62,6 +62,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.policy.live_set import LiveWorkingSet
+from serving.policy.queue_order import FCFS, QueueOrder
 from serving.policy.request import Request
 from serving.policy.worker import WorkerState
 
@@ -84,15 +85,20 @@ class VertumnusRouter:
         workers' live working sets whose evictions the cost charges (`E_w`, module doc).
       congestion_price: price GPU time at `lam + n_min * K / N_gpu` (module doc); False (the
         paper's fixed lambda) by default.
+      queue_order: the order in which a worker's queued prefills start, a `QueueOrder`
+        (`serving.policy.queue_order`; the scheduler reads it): FCFS (the paper's) by default.
+        `Q_w` stays the whole reserved work under any order (an upper bound under SJF).
 
     Raises:
       ValueError: negative beta or lam, an unknown gpu_cost, a live_horizon_s that is not
-        finite and > 0, or a congestion_price that is not a bool.
+        finite and > 0, a congestion_price that is not a bool, or a queue_order that is not a
+        `QueueOrder`.
     """
 
     def __init__(self, beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus", gpu_cost: str = "worker",
-                 live_horizon_s: float | None = None, congestion_price: bool = False) -> None:
+                 live_horizon_s: float | None = None, congestion_price: bool = False,
+                 queue_order: QueueOrder = FCFS) -> None:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         if not lam >= 0:
@@ -103,11 +109,15 @@ class VertumnusRouter:
             raise ValueError(f"congestion_price must be True or False, got {congestion_price!r}")
         self.beta, self.lam, self.name = float(beta), float(lam), name
         self.gpu_cost = gpu_cost
-        # h_w(r) counts blocks promised by prefills queued on w (FIFO: cached when r starts).
+        # h_w(r) counts blocks promised by prefills queued on w (cached when r starts: under
+        # SJF too, as r is ranked without them and so is no shorter than what promises them).
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
         self.live = LiveWorkingSet(live_horizon_s) if live_horizon_s is not None else None
         self.congestion_price = congestion_price
+        if not isinstance(queue_order, QueueOrder):
+            raise ValueError(f"queue_order must be a QueueOrder, got {queue_order!r}")
+        self.queue_order = queue_order
         self._rotation = 0
 
     def gpu_price(self, candidates: Sequence[WorkerState]) -> float:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from itertools import chain
 
 from serving.policy.cost_router import VertumnusRouter
+from serving.policy.queue_order import FCFS, QueueOrder
 from serving.policy.replication import (SCALEOUT_GB_PER_S, FetchOnDispatch, check_transfer_args,
                                         copy_seconds)
 from serving.policy.request import Request
@@ -68,6 +69,7 @@ class FetchingVertumnusRouter(VertumnusRouter):
         `new_w` counts from w's own prefix, so a fetched prefix counts as written).
       congestion_price: as `VertumnusRouter` (the copy's time counts in S_w, so in G_w too);
         and no fetch is planned while every candidate has a request queued (module doc).
+      queue_order: as `VertumnusRouter` (a fetch starts when its request leaves the queue).
 
     Raises:
       ValueError: an argument outside the ranges above.
@@ -77,9 +79,10 @@ class FetchingVertumnusRouter(VertumnusRouter):
                  beta: float = 1.0, lam: float = 1.0, cost_model=None,
                  name: str = "vertumnus-fetch",
                  scaleout_gb_per_s: float = SCALEOUT_GB_PER_S,
-                 live_horizon_s: float | None = None, congestion_price: bool = False) -> None:
+                 live_horizon_s: float | None = None, congestion_price: bool = False,
+                 queue_order: QueueOrder = FCFS) -> None:
         super().__init__(beta, lam, cost_model, name, live_horizon_s=live_horizon_s,
-                         congestion_price=congestion_price)
+                         congestion_price=congestion_price, queue_order=queue_order)
         check_transfer_args(kv_bytes_per_token, transfer_gb_per_s)
         check_transfer_args(0, scaleout_gb_per_s)
         self.kv_bytes_per_token = int(kv_bytes_per_token)

@@ -22,7 +22,9 @@ class Router(Protocol):
 
     A router may also define `bind(scheduler)`: the `Scheduler` calls it once at construction,
     so a router can keep references to `scheduler.cost_model` and `scheduler.prefix_index`
-    (the cluster-wide view of cached blocks). A router instance serves one scheduler.
+    (the cluster-wide view of cached blocks). A router instance serves one scheduler. It may
+    define `queue_order` (a `serving.policy.queue_order.QueueOrder`): the order in which the
+    scheduler starts each worker's queued prefills (FCFS when absent).
     """
 
     name: str

@@ -1,6 +1,7 @@
 """The event-driven scheduler core shared by the live and the simulated backends.
 
-`Scheduler` owns the workers' FIFO queues and reservations. It is driven by these calls, each
+`Scheduler` owns the workers' queues (started in the router's `queue_order`: FIFO by default,
+`serving.policy.queue_order`) and reservations. It is driven by these calls, each
 given the time `now` in seconds by the caller (it never reads a clock):
 
 - `submit(request, now)`: route to one eligible worker, reserve the predicted prefill time on
@@ -23,27 +24,19 @@ Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly o
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
 from serving.policy.backend import Backend, CostModel, PrefillResult
 from serving.policy.eligibility import eligible_workers
 from serving.policy.membership import LostWorkers, Membership
+from serving.policy.placement import Placement
 from serving.policy.prefix_index import PendingPrefixes, PrefixIndex
+from serving.policy.queue_order import FCFS, QueueOrder, rekey_promised
 from serving.policy.reconfiguration import Reconfiguration, Reconfigurations
 from serving.policy.replication import PrefixCopies
 from serving.policy.request import Request, RequestRecord
 from serving.policy.router import Router
 from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
-
-
-@dataclasses.dataclass(slots=True)
-class _Placement:
-    worker: WorkerState
-    estimate: float
-    predicted_cached_len: int
-    global_cached_len: int = 0
-    start_time: float | None = None
 
 
 class Scheduler:
@@ -93,7 +86,7 @@ class Scheduler:
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
         self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
         self.membership = Membership(self)
-        self._placements: dict[str | int, _Placement] = {}
+        self._placements: dict[str | int, Placement] = {}
         self._pending: deque[Request] = deque()
         self.num_submitted = self.num_completed = self.num_failed = self.num_aborted = 0
         # While the router chooses: (request, candidates, their cached blocks without promises)
@@ -102,6 +95,8 @@ class Scheduler:
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
         self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
+        # Which queued request a free worker starts (`serving.policy.queue_order`).
+        self.queue_order: QueueOrder = getattr(router, "queue_order", FCFS)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -169,6 +164,8 @@ class Scheduler:
             index.evict(worker_id, result.evicted_blocks)
         if result.inserted_blocks:
             index.insert(worker_id, result.inserted_blocks)
+            if self.queue_order.reorders and worker.queue:
+                rekey_promised(worker, self._placements, index, self.cost_model.predict)
         self.num_completed += 1
         self.listener(RequestRecord(
             request, worker_id, worker.spec.cp_degree, worker.epoch,
@@ -178,8 +175,8 @@ class Scheduler:
         self._after_run(worker, now)
 
     def kv_events(self, worker_id: int, inserted: Sequence[int], evicted: Sequence[int]) -> None:
-        """A worker's prefix cache changed outside a completion (e.g. blocks evicted to make room
-        when a prefill starts): applies the events to the prefix index, evictions first."""
+        """A worker's prefix cache changed outside a completion (blocks evicted when a prefill
+        starts): applies the events to the prefix index, evictions first."""
         if worker_id not in self._workers:
             return  # the worker left the pool; its blocks went with it
         if evicted:
@@ -323,7 +320,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
         record, workers = self._record, self._workers
-        candidates, matched, global_blocks, cached = eligible_workers(
+        candidates, matched, global_blocks, held = eligible_workers(
             workers.values(), self._prefix_index, self.pending if self._use_pending else None,
             request, record is not None)
         if not candidates:
@@ -336,13 +333,16 @@ class Scheduler:
                 f"input_len={request.input_len} tokens cannot be held by any worker "
                 f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
             return None
-        self.routing = (request, candidates, cached)  # for the router, during `choose` only
+        self.routing = (request, candidates, held)  # for the router, during `choose` only
         i, self.routing = self.router.choose(request, candidates, matched, now), None
         worker = candidates[i]
         spec, bs, m = worker.spec, request.block_size, matched[i]
         cached = m * bs
         estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
-        placement = _Placement(worker, estimate, cached)
+        placement = Placement(worker, estimate, cached)
+        if self.queue_order.reorders:  # SJF key: the prefix held now, without promises
+            h = held[i] * bs
+            placement.order_seconds = self.cost_model.predict(spec.cp_degree, request.input_len, h)
         if record is not None:  # the global trie keeps demand statistics
             g = max(global_blocks, m)
             record(request, spec.cp_degree, g, m)
@@ -361,7 +361,8 @@ class Scheduler:
     def _dispatch(self, worker: WorkerState, now: float) -> None:
         if worker.running is not None or not worker.queue:
             return
-        request = worker.queue.popleft()
+        placements = self._placements
+        request = self.queue_order.pop_next(worker.queue, lambda r: placements[r.request_id].order_seconds, now)
         placement = self._placements[request.request_id]
         worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
         worker.running, worker.running_start, worker.running_estimate = request, now, placement.estimate
@@ -372,7 +373,7 @@ class Scheduler:
         self._backend.start_prefill(worker.spec.worker_id, request, now)
 
     def _take_running(self, worker_id: int,
-                      request_id: str | int) -> tuple[WorkerState, _Placement, Request]:
+                      request_id: str | int) -> tuple[WorkerState, Placement, Request]:
         worker = self._workers.get(worker_id)
         if worker is None or worker.running is None or worker.running.request_id != request_id:
             raise ValueError(f"worker {worker_id} is not running request {request_id!r}")

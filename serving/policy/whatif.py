@@ -9,7 +9,8 @@ the cheapest degree at the same cached prefix) and the router's fitted cost mode
         w   = argmin over workers able to hold L of  max(free_w - t, 0) + T(C_w, L, h) + lam * G_w
         TTFT = max(free_w - t, 0) + T(C_w, L, h);   free_w = t + TTFT
 
-Each worker serves one prefill at a time (FIFO). `h` is the prefix the request was expected to
+Each worker serves one prefill at a time (FIFO, whatever the router's `queue_order`: the replay
+compares compositions under one order, not orders). `h` is the prefix the request was expected to
 find cached when it was placed (the controller records it), the same for every candidate: the
 replay models queueing and degree efficiency, not how a composition changes cache locality.
 A worker can start busy (`free_at`: outstanding work, or a transition's drain and re-carve), so

@@ -18,6 +18,7 @@ def test_best_baseline_and_changes_hand_computed():
         _row("vertumnus", 10.0, 0.6, 440.0, 700.0, 0.99, comp=(2, 2, 4), final=(4, 4),
              reconf=[{}]),
         _row("vertumnus-fetch", 10.0, 0.6, 380.0, 600.0, 0.999),  # ours: never a baseline
+        _row("vertumnus-fcfs", 10.0, 0.6, 390.0, 650.0, 0.999),  # ours too
         _row("homogeneous-cp4", 20.0, 1.2, 2000.0, 4000.0, 0.5),  # best baseline at the top
         _row("mooncake-cp4", 20.0, 1.2, 9000.0, 9900.0, 0.1),
         _row("vertumnus", 20.0, 1.2, 1500.0, 5000.0, 0.6),
@@ -29,11 +30,12 @@ def test_best_baseline_and_changes_hand_computed():
     rows = [line for line in md if line.startswith("| production")]
     assert rows[0] == ("| production | qwen3-30b-a3b, {2, 4} | 20.00 | `homogeneous-cp4` | -25.0% | "
                        "+25.0% | +10.0 | 28.1 % lower |")
-    # 440 / 400 - 1 = +10.0 %; the fetch column shows vertumnus-fetch, the other variants are absent.
+    # 440 / 400 - 1 = +10.0 %; the fetch and FCFS columns show vertumnus-fetch and
+    # vertumnus-fcfs, the other variants are absent.
     assert rows[1] == ("| production | qwen3-30b-a3b, cp2-4 | 0.6 | 10.00 | `mooncake-cp4` | 400 | "
-                       "440 | +10.0% | 0.995 | 0.990 | 3 -> 2, 1 | - | - | - | 380 |")
+                       "440 | +10.0% | 0.995 | 0.990 | 3 -> 2, 1 | - | - | - | 380 | 390 |")
     assert rows[2] == ("| production | qwen3-30b-a3b, cp2-4 | 1.2 | 20.00 | `homogeneous-cp4` | 2000 | "
-                       "1500 | -25.0% | 0.500 | 0.600 | 2 -> 2, 0 | - | - | - | - |")
+                       "1500 | -25.0% | 0.500 | 0.600 | 2 -> 2, 0 | - | - | - | - | - |")
 
 
 def test_fetch_table_at_the_highest_load():

@@ -16,6 +16,7 @@ from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCa
                                StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.policy.plugins import PluginError, guard_callable, router_from_spec
 from serving.policy.prefix_index import PrefixIndex
+from serving.policy.queue_order import FCFS, SJF
 from serving.policy.profiles import analytic_prefill_seconds
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
@@ -44,6 +45,16 @@ def test_baseline_systems_fill_the_gpu_budget(name, composition, router, paralle
     assert all(w.max_input_len == 65536 and w.kv_capacity_blocks == 100 * w.cp_degree
                for w in s.workers)
     assert build_system(name, POOL).router is not s.router      # a fresh router per build
+
+
+@pytest.mark.parametrize("name, order", [
+    ("vertumnus", SJF), ("vertumnus-fetch", SJF), ("vertumnus-fcfs", FCFS),
+    ("vertumnus-paper", FCFS), ("homogeneous-cp4", FCFS),
+])
+def test_queue_order_of_each_system(name, order):
+    # the default starts the shortest predicted prefill first; its FCFS ablation, the paper's
+    # policy and the baselines first come, first served (serving.policy.queue_order)
+    assert getattr(build_system(name, POOL).router, "queue_order", FCFS) == order
 
 
 def test_mooncake_system_prices_copies_with_the_pool_kv_size():

@@ -11,6 +11,7 @@ from serving.api import create_app
 from serving.policy.cost_model import PrefillCostModel
 from serving.engine import Engine, EngineConfig
 from serving.policy.profiles import read_profile_csv
+from serving.policy.queue_order import FCFS
 from serving.server import DEFAULT_PROFILE
 from serving.tokenizer import ByteTokenizer
 from serving.policy.worker import layout_workers
@@ -28,14 +29,15 @@ def make_client(**kwargs):
 def make_app(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="admin",
              fail_token=None, composition=(4, 2, 2), max_model_len=1024, router=None,
              degrees=(1, 2, 4, 8), controller_policy=None, body_timeout=30.0,
-             live_horizon_s=None, congestion_price=False):
+             live_horizon_s=None, congestion_price=False, queue_order=FCFS):
     """The real HTTP app over an engine whose backend is `FakeBackend` (`seconds` per prefill),
     and the engine."""
     cfg = EngineConfig(block_size=BS, kv_blocks_per_device=64, max_model_len=max_model_len,
                        controller=controller_policy is not None, cache_manager=False,
                        max_in_flight=max_in_flight, tick_seconds=0.05,
                        controller_policy=controller_policy or "paper",
-                       live_horizon_s=live_horizon_s, congestion_price=congestion_price)
+                       live_horizon_s=live_horizon_s, congestion_price=congestion_price,
+                       queue_order=queue_order)
     specs = layout_workers(list(composition), 64, max_model_len)
     cost = PrefillCostModel.fit(read_profile_csv(DEFAULT_PROFILE))
 

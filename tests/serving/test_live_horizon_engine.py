@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from serving.policy.live_set import LiveWorkingSet
+from serving.policy.queue_order import FCFS, SJF
 from tests.serving.api_fixtures import BS, make_client
 
 
@@ -43,3 +44,16 @@ def test_live_engine_prices_congestion_when_asked():
     client, engine = make_client()
     with client:
         assert not engine._router.congestion_price  # the live default: the paper's lambda
+
+
+def test_live_engine_starts_queued_prefills_in_the_configured_order():
+    # The order itself is checked by hand in tests/serving/policy/test_queue_order.py; here
+    # the engine's scheduler takes it from the config, and it serves.
+    client, engine = make_client(queue_order=SJF)
+    with client:
+        assert engine._router.queue_order == SJF and engine.scheduler.queue_order == SJF
+        ids = [(3 * j) % 250 + 1 for j in range(2 * BS + 1)]
+        assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
+    client, engine = make_client()
+    with client:
+        assert engine.scheduler.queue_order == FCFS  # the live default: the paper's order

@@ -27,9 +27,14 @@ def test_bad_flags_exit_with_a_message():
                          timeout=120)
     assert out.returncode != 0
     assert "composition [3, 5]" in out.stderr and "sum to" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "serving.main", "--queue_order=sjf:-1",
+                          "--compilation_cache_dir="], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "queue_order='sjf:-1'" in out.stderr
 
 
-@pytest.mark.parametrize("flag", ["--live_horizon_s=300", "--congestion_price"])
+@pytest.mark.parametrize("flag", ["--live_horizon_s=300", "--congestion_price",
+                                  "--queue_order=sjf"])
 def test_router_knobs_with_a_plugin_router_are_refused(flag):
     out = subprocess.run([sys.executable, "-m", "serving.main", flag,
                           "--router=serving.policy.router:LeastWorkRouter",

@@ -1,0 +1,31 @@
+"""A request's placement on a worker, as the scheduler keeps it until the request ends."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.policy.worker import WorkerState
+
+
+@dataclasses.dataclass(slots=True)
+class Placement:
+    """Where a queued or running request was placed, and what was predicted for it.
+
+    Attributes:
+      worker: the worker it was placed on.
+      estimate: predicted prefill seconds, reserved on the worker (`WorkerState.queued_seconds`).
+      predicted_cached_len: tokens the router expected cached on the worker when it starts
+        (prefixes promised by prefills queued before it included).
+      global_cached_len: tokens of its prefix held by some worker of the pool (with a
+        `GlobalPrefixTrie`; else 0).
+      start_time: when its prefill started (seconds); None while queued.
+      order_seconds: the queue order's key (`serving.policy.queue_order`, "sjf"): predicted
+        prefill seconds at the prefix the worker held at placement, without promised blocks.
+    """
+
+    worker: WorkerState
+    estimate: float
+    predicted_cached_len: int
+    global_cached_len: int = 0
+    start_time: float | None = None
+    order_seconds: float = 0.0

@@ -1,0 +1,153 @@
+"""serving.policy.queue_order: which queued prefill a free worker starts (FCFS or SJF)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.policy.backend import PrefillResult
+from serving.policy.cost_router import VertumnusRouter
+from serving.policy.queue_order import FCFS, SJF, QueueOrder, parse_queue_order
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import layout_workers
+
+
+class Cost:
+    def predict(self, cp_degree, input_len, cached_len):
+        return (input_len - cached_len) / 1000 / cp_degree
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.started = []
+
+    def start_prefill(self, worker_id, request, now):
+        self.started.append((request.request_id, now))
+
+
+def req(rid, length, t=0.0, ids=None):
+    ids = ids if ids is not None else [hash((rid, k)) for k in range(-(-length // 512))]
+    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
+
+
+def one_worker(order):
+    backend, done = RecordingBackend(), []
+    s = Scheduler(layout_workers([1], 100, 100_000), Cost(), VertumnusRouter(queue_order=order),
+                  backend, done.append)
+    return s, backend, done
+
+
+def run_out(s, backend, times):
+    """Completes whatever runs at each of `times` (seconds), in order."""
+    for now in times:
+        rid = backend.started[-1][0]
+        s.complete(0, rid, now, PrefillResult(0, now, now))
+
+
+@pytest.mark.parametrize("order, starts", [
+    # A (3 s), B (1 s), C (2 s) queued behind R, which ends at 1 s.
+    # FCFS: A 1 -> 4, B 4 -> 5, C 5 -> 7: TTFTs 3.9, 4.9, 6.9 s, mean 5.23 s.
+    (FCFS, [("R", 0.0), ("A", 1.0), ("B", 4.0), ("C", 5.0)]),
+    # SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7: TTFTs 1.9, 3.9, 6.9 s, mean 4.23 s.
+    (SJF, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
+])
+def test_start_order_hand_computed(order, starts):
+    s, backend, done = one_worker(order)
+    s.submit(req("R", 1000), 0.0)
+    for rid, n in (("A", 3000), ("B", 1000), ("C", 2000)):
+        s.submit(req(rid, n, 0.1), 0.1)
+    assert s.workers[0].queued_seconds == pytest.approx(6.0)
+    run_out(s, backend, [starts[1][1], starts[2][1], starts[3][1]])
+    assert backend.started == starts
+    # the reservation falls by each started request's own estimate, whatever the order
+    assert s.workers[0].queued_seconds == 0.0 and len(done) == 3
+
+
+def test_sjf_does_not_start_a_request_before_the_one_computing_its_prefix():
+    # P computes blocks 1-4; Q extends them by one block. Placed behind P, Q is predicted
+    # 0.512 s (P's 2048 tokens promised), but ranked as if cold (2.56 s): P (2.048 s) starts
+    # first, so Q finds its prefix. S (0.6 s) overtakes both.
+    s, backend, _ = one_worker(SJF)
+    s.submit(req("R", 1000), 0.0)
+    s.submit(req("P", 2048, ids=[1, 2, 3, 4]), 0.1)
+    s.submit(req("Q", 2560, ids=[1, 2, 3, 4, 5]), 0.2)
+    s.submit(req("S", 600), 0.3)
+    assert s._placements["Q"].estimate == pytest.approx(0.512)
+    assert s._placements["Q"].order_seconds == pytest.approx(2.56)
+
+    def finish(now):
+        r = s.workers[0].running
+        s.complete(0, r.request_id, now, PrefillResult(0, now, now, inserted_blocks=r.block_hashes))
+
+    finish(1.0)  # R ends: S starts
+    finish(1.6)  # S ends: P starts
+    # T (1.0 s) arrives while P runs: shorter than Q as Q was ranked (2.56 s) ...
+    s.submit(req("T", 1000), 2.0)
+    finish(3.648)  # ... but P's end re-ranks Q at the prefix now held: 0.512 s, before T
+    assert s._placements["Q"].order_seconds == pytest.approx(0.512)
+    assert [rid for rid, _ in backend.started] == ["R", "S", "P", "Q"]
+    finish(4.16)
+    assert backend.started[-1] == ("T", 4.16)
+
+
+def test_max_wait_starts_the_head_once_it_has_waited_too_long():
+    order = QueueOrder("sjf", max_wait_s=2.0)
+    s, backend, _ = one_worker(order)
+    s.submit(req("R", 3000), 0.0)        # runs until 3.0
+    s.submit(req("A", 4000, 0.5), 0.5)   # head of the queue, the longest
+    s.submit(req("B", 1000, 0.6), 0.6)
+    run_out(s, backend, [3.0])           # A has waited 2.5 s > 2 s: it starts before B
+    assert backend.started[-1] == ("A", 3.0)
+    s2, backend2, _ = one_worker(order)
+    s2.submit(req("R", 1000), 0.0)       # ends at 1.0: A has waited 0.5 s, B goes first
+    s2.submit(req("A", 4000, 0.5), 0.5)
+    s2.submit(req("B", 1000, 0.6), 0.6)
+    run_out(s2, backend2, [1.0])
+    assert backend2.started[-1] == ("B", 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=12))
+def test_sjf_pops_in_the_order_of_a_stable_sort(keys):
+    queue = deque(req(i, 512, float(i)) for i in range(len(keys)))
+    seconds = {i: float(k) for i, k in enumerate(keys)}
+    popped = [SJF.pop_next(queue, lambda r: seconds[r.request_id], 100.0).request_id
+              for _ in range(len(keys))]
+    assert popped == sorted(range(len(keys)), key=lambda i: keys[i])  # ties: placement order
+    assert not queue
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("fcfs", FCFS), ("sjf", SJF), ("sjf:30", QueueOrder("sjf", 30.0)),
+    ("sjf:0.5", QueueOrder("sjf", 0.5)),
+])
+def test_parse_queue_order(spec, want):
+    assert parse_queue_order(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["", "lifo", "fcfs:3", "sjf:", "sjf:abc", "sjf:0", "sjf:-1",
+                                  "sjf:inf", "sjf:nan"])
+def test_parse_queue_order_refuses(spec):
+    with pytest.raises(ValueError, match="queue_order="):
+        parse_queue_order(spec)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="lifo"), "kind must be one of"),
+    (dict(kind="fcfs", max_wait_s=5.0), "'fcfs' takes None"),
+    (dict(kind="sjf", max_wait_s=True), "max_wait_s must be"),
+    (dict(kind="sjf", max_wait_s=0.0), "max_wait_s must be"),
+    (dict(kind="sjf", max_wait_s="5"), "max_wait_s must be"),
+])
+def test_queue_order_refuses(kw, match):
+    with pytest.raises(ValueError, match=match):
+        QueueOrder(**kw)
+
+
+def test_router_refuses_a_queue_order_that_is_not_one():
+    with pytest.raises(ValueError, match="queue_order must be a QueueOrder"):
+        VertumnusRouter(queue_order="sjf")
