@@ -69,8 +69,9 @@ _CONGESTION = flags.DEFINE_boolean(
     "(serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
 _QUEUE_ORDER = flags.DEFINE_string(
     "queue_order", "fcfs", "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
-    "'sjf' (shortest predicted prefill first, the simulator's vertumnus) or 'sjf:S' (SJF, but a "
-    "request queued longer than S seconds starts next); serving/policy/queue_order.py.")
+    "'sjf' (shortest predicted prefill first, the simulator's vertumnus) or 'sjf:S' (SJF, but "
+    "the head of a queue, its earliest placed request, starts next once it has waited S seconds "
+    "since its arrival); serving/policy/queue_order.py.")
 flags.register_multi_flags_validator(
     ["router", "queue_order"], lambda f: not (f["router"] and f["queue_order"] != "fcfs"),
     message="--queue_order sets Vertumnus's own router; it does not apply with --router")

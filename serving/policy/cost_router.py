@@ -87,7 +87,8 @@ class VertumnusRouter:
         paper's fixed lambda) by default.
       queue_order: the order in which a worker's queued prefills start, a `QueueOrder`
         (`serving.policy.queue_order`; the scheduler reads it): FCFS (the paper's) by default.
-        `Q_w` stays the whole reserved work under any order (an upper bound under SJF).
+        `Q_w` stays the whole reserved work under any order: under SJF a short request waits
+        less than that, a long one may wait more (shorter ones placed after it start first).
 
     Raises:
       ValueError: negative beta or lam, an unknown gpu_cost, a live_horizon_s that is not
@@ -109,8 +110,8 @@ class VertumnusRouter:
             raise ValueError(f"congestion_price must be True or False, got {congestion_price!r}")
         self.beta, self.lam, self.name = float(beta), float(lam), name
         self.gpu_cost = gpu_cost
-        # h_w(r) counts blocks promised by prefills queued on w (cached when r starts: under
-        # SJF too, as r is ranked without them and so is no shorter than what promises them).
+        # h_w(r) counts blocks promised by prefills queued on w (cached when r starts; under SJF
+        # only when r is the longer of the two: `serving.policy.queue_order`).
         self.uses_pending_prefixes = True
         self.cost_model = cost_model
         self.live = LiveWorkingSet(live_horizon_s) if live_horizon_s is not None else None

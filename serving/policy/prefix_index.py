@@ -186,8 +186,9 @@ _LIST_MAX = 8  # promise groups a worker keeps as a list before counting per blo
 class PendingPrefixes:
     """Blocks that workers *will* hold once the prefills queued on them have run.
 
-    A worker runs its queue in FIFO order, so a request placed behind another one with the
-    same prefix finds that prefix cached when it starts. Routing on cached blocks alone misses
+    Under FCFS a worker runs its queue in order, so a request placed behind another one with
+    the same prefix finds that prefix cached when it starts (under SJF it usually does too, but
+    not always: `serving.policy.queue_order`). Routing on cached blocks alone misses
     this: under load, requests that share a new prefix arrive before its first prefill has
     finished and get spread over many workers, each recomputing (and caching) the same prefix.
     Counting promised blocks keeps them together, as SGLang's router does by inserting a prompt

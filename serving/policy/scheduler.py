@@ -1,8 +1,7 @@
 """The event-driven scheduler core shared by the live and the simulated backends.
 
-`Scheduler` owns the workers' queues (started in the router's `queue_order`: FIFO by default,
-`serving.policy.queue_order`) and reservations. It is driven by these calls, each
-given the time `now` in seconds by the caller (it never reads a clock):
+`Scheduler` owns the workers' queues (started in the router's `queue_order`, FIFO by default)
+and reservations, driven by these calls, each given `now` in seconds (it never reads a clock):
 
 - `submit(request, now)`: route to one eligible worker, reserve the predicted prefill time on
   it at once, start it if the worker is idle;
@@ -53,7 +52,7 @@ class Scheduler:
         `copies` keep (the latest; None: all, as the simulator's analyses want them).
 
     Raises:
-      ValueError: duplicate worker ids, or an empty pool.
+      ValueError: duplicate worker ids, an empty pool, or a router `queue_order` not a `QueueOrder`.
     """
 
     def __init__(self, workers: Sequence[WorkerSpec], cost_model: CostModel, router: Router,
@@ -95,8 +94,9 @@ class Scheduler:
         if bind is not None:  # routers that need the cost model, the index or the hooks
             bind(self)
         self._use_pending = bool(getattr(router, "uses_pending_prefixes", False))
-        # Which queued request a free worker starts (`serving.policy.queue_order`).
         self.queue_order: QueueOrder = getattr(router, "queue_order", FCFS)
+        if not isinstance(self.queue_order, QueueOrder):
+            raise ValueError(f"router.queue_order must be a QueueOrder, got {self.queue_order!r}")
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -361,8 +361,7 @@ class Scheduler:
     def _dispatch(self, worker: WorkerState, now: float) -> None:
         if worker.running is not None or not worker.queue:
             return
-        placements = self._placements
-        request = self.queue_order.pop_next(worker.queue, lambda r: placements[r.request_id].order_seconds, now)
+        request = self.queue_order.pop_next(worker.queue, self._placements, now)
         placement = self._placements[request.request_id]
         worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
         worker.running, worker.running_start, worker.running_estimate = request, now, placement.estimate

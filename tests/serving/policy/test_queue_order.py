@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.policy.backend import PrefillResult
 from serving.policy.cost_router import VertumnusRouter
+from serving.policy.placement import Placement
 from serving.policy.queue_order import FCFS, SJF, QueueOrder, parse_queue_order
 from serving.policy.request import Request, chain_block_hashes
+from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
 
@@ -114,9 +117,9 @@ def test_max_wait_starts_the_head_once_it_has_waited_too_long():
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=12))
 def test_sjf_pops_in_the_order_of_a_stable_sort(keys):
     queue = deque(req(i, 512, float(i)) for i in range(len(keys)))
-    seconds = {i: float(k) for i, k in enumerate(keys)}
-    popped = [SJF.pop_next(queue, lambda r: seconds[r.request_id], 100.0).request_id
-              for _ in range(len(keys))]
+    placements = {i: Placement(None, float(k), 0, order_seconds=float(k))
+                  for i, k in enumerate(keys)}
+    popped = [SJF.pop_next(queue, placements, 100.0).request_id for _ in range(len(keys))]
     assert popped == sorted(range(len(keys)), key=lambda i: keys[i])  # ties: placement order
     assert not queue
 
@@ -151,3 +154,16 @@ def test_queue_order_refuses(kw, match):
 def test_router_refuses_a_queue_order_that_is_not_one():
     with pytest.raises(ValueError, match="queue_order must be a QueueOrder"):
         VertumnusRouter(queue_order="sjf")
+
+
+def test_scheduler_refuses_a_router_queue_order_that_is_not_one():
+    class Plugin(LeastWorkRouter):
+        queue_order = "sjf"  # a plug-in's attribute of that name, but not a QueueOrder
+
+    with pytest.raises(ValueError, match="router.queue_order must be a QueueOrder"):
+        Scheduler(layout_workers([1], 100, 100_000), Cost(), Plugin(), RecordingBackend())
+
+
+def test_numpy_numbers_and_blanks_are_taken():
+    assert QueueOrder("sjf", np.int64(2)).max_wait_s == 2
+    assert parse_queue_order(" sjf:30 ") == QueueOrder("sjf", 30.0)
