@@ -14,8 +14,8 @@ framing) and the body deadline (408) are `serving.http_gate.RequestGate`'s.
 Status codes: 200; 400 a bad request (named field); 401 / 403 keys; 404 unknown model or path;
 408 body too slow; 409 a split or merge refused (waiting requests need the workers it would
 remove) or a prefix-cache reset while busy; 413 body too large; 429 overloaded (`Retry-After`);
-503 shutting down, or no worker of the current composition can hold a valid prompt
-(`Retry-After`); 500 a failed prefill. A client that disconnects while its prompt waits has it
+503 shutting down, no worker of the current composition can hold a valid prompt, or the host
+running the prefill was lost (`Retry-After`); 500 a failed prefill. A client that disconnects while its prompt waits has it
 withdrawn (`vertumnus:request_aborted_total`); one already running finishes unseen.
 
 A completion's response carries the first token (greedy), `usage` with
@@ -318,6 +318,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                 if c.record.worker_id is None:  # valid, but no worker of this composition fits
                     raise ApiError(503, f"{c.record.error}; retry when the pool has merged "
                                         "workers", "prompt", "service_unavailable",
+                                   {"Retry-After": "1"})
+                if c.record.retryable:  # its worker's host was lost while it ran
+                    raise ApiError(503, f"{c.record.error}; retry", None, "service_unavailable",
                                    {"Retry-After": "1"})
                 raise ApiError(500, c.record.error, None, "server_error")
         return results

@@ -28,7 +28,7 @@ Labels: M = `model_name`, E = `engine`. Times in seconds, from the request's arr
 | `vertumnus:num_requests_running` | gauge | M, E | prefills running in the pool |
 | `vertumnus:num_requests_waiting` | gauge | M, E | requests admitted, not started (queued on a worker or waiting for one) |
 | `vertumnus:kv_cache_usage_perc` | gauge | M, E | KV blocks held by the prefix caches / all KV blocks of the pool, in [0, 1] |
-| `vertumnus:request_failure_total` | counter | M | failed prefills (HTTP 500) |
+| `vertumnus:request_failure_total` | counter | M | failed prefills (HTTP 500; 503 when the host running it was lost) |
 | `vertumnus:request_aborted_total` | counter | M, reason | requests withdrawn before they started: `client_disconnected` |
 | `vertumnus:request_rejected_total` | counter | M, reason | prompts refused: `overloaded` (429), `shutting_down` (503, at admission or at the shutdown deadline), `no_worker_fits` (503) (a batch counts each prompt); HTTP requests refused: `body_too_large` (413), `body_timeout` (408), `unauthorized` (401), `forbidden` (403); `kv_hold_conflict` (409, a reused request id whose KV is still held) |
 | `vertumnus:worker_num_requests_running`, `..._waiting` | gauge | M, worker_id, cp_degree | per worker |

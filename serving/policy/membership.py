@@ -168,7 +168,7 @@ class Membership:
                 running.append(w.running.request_id)
                 s.fail(w.worker_id, w.running.request_id, now, (
                     f"{reason}: worker {w.worker_id} on host {w.spec.host} was lost while "
-                    "running this prefill"))
+                    "running this prefill"), retryable=True)
         for w in gone:
             del s.workers[w.worker_id]
             s.prefix_index.drop_worker(w.worker_id)

@@ -178,6 +178,8 @@ class RequestRecord:
         routed (tokens); `cached_len` is the part actually reused.
       aborted: True when the request was withdrawn before it started (`Scheduler.abort`, e.g.
         its client went away); `error` then says why.
+      retryable: True when it failed through no fault of its own and may be sent again (its
+        worker's host was lost while it ran: `Membership.lose`); the API answers 503.
     """
 
     request: Request
@@ -194,6 +196,7 @@ class RequestRecord:
     first_token: int | None = None
     global_cached_len: int = 0
     aborted: bool = False
+    retryable: bool = False
 
     @property
     def ok(self) -> bool:

@@ -184,9 +184,10 @@ class Scheduler:
         if inserted:
             self._prefix_index.insert(worker_id, inserted)
 
-    def fail(self, worker_id: int, request_id: str | int, now: float, error: str) -> None:
+    def fail(self, worker_id: int, request_id: str | int, now: float, error: str,
+             retryable: bool = False) -> None:
         """The backend could not prefill `request_id` on `worker_id`; the request fails (a late
-        report for a worker lost meanwhile is ignored: `lose_workers` failed it).
+        report for a worker lost meanwhile is ignored: `lose_workers` failed it, `retryable`).
 
         Raises:
           ValueError: the worker is not running that request.
@@ -198,7 +199,7 @@ class Scheduler:
         self.listener(RequestRecord(
             request, worker_id, worker.cp_degree, worker.epoch,
             placement.start_time, now, None, 0, placement.predicted_cached_len,
-            placement.estimate, error, None, placement.global_cached_len))
+            placement.estimate, error, None, placement.global_cached_len, retryable=retryable))
         self._after_run(worker, now)
 
     def abort(self, request_id: str | int, now: float, reason: str) -> bool:
