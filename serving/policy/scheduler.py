@@ -342,8 +342,8 @@ class Scheduler:
         estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
         placement = Placement(worker, estimate, cached)
         if self.queue_order.reorders:  # SJF key: the prefix held now, without promises
-            h = held[i] * bs
-            placement.order_seconds = self.cost_model.predict(spec.cp_degree, request.input_len, h)
+            placement.order_seconds = estimate if held[i] == m else self.cost_model.predict(
+                spec.cp_degree, request.input_len, held[i] * bs)
         if record is not None:  # the global trie keeps demand statistics
             g = max(global_blocks, m)
             record(request, spec.cp_degree, g, m)

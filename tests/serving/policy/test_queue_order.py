@@ -13,28 +13,15 @@ from serving.policy.backend import PrefillResult
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.placement import Placement
 from serving.policy.queue_order import FCFS, SJF, QueueOrder, parse_queue_order
-from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
+from tests.serving.policy.test_scheduler import Cost, RecordingBackend, req
 
 
-class Cost:
-    def predict(self, cp_degree, input_len, cached_len):
-        return (input_len - cached_len) / 1000 / cp_degree
-
-
-class RecordingBackend:
-    def __init__(self):
-        self.started = []
-
-    def start_prefill(self, worker_id, request, now):
-        self.started.append((request.request_id, now))
-
-
-def req(rid, length, t=0.0, ids=None):
-    ids = ids if ids is not None else [hash((rid, k)) for k in range(-(-length // 512))]
-    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
+def starts(backend):
+    """(request id, start time) of each prefill started, in order."""
+    return [(rid, now) for _, rid, now in backend.started]
 
 
 def one_worker(order):
@@ -47,25 +34,25 @@ def one_worker(order):
 def run_out(s, backend, times):
     """Completes whatever runs at each of `times` (seconds), in order."""
     for now in times:
-        rid = backend.started[-1][0]
+        rid = starts(backend)[-1][0]
         s.complete(0, rid, now, PrefillResult(0, now, now))
 
 
-@pytest.mark.parametrize("order, starts", [
+@pytest.mark.parametrize("order, expected", [
     # A (3 s), B (1 s), C (2 s) queued behind R, which ends at 1 s.
     # FCFS: A 1 -> 4, B 4 -> 5, C 5 -> 7: TTFTs 3.9, 4.9, 6.9 s, mean 5.23 s.
     (FCFS, [("R", 0.0), ("A", 1.0), ("B", 4.0), ("C", 5.0)]),
     # SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7: TTFTs 1.9, 3.9, 6.9 s, mean 4.23 s.
     (SJF, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
 ])
-def test_start_order_hand_computed(order, starts):
+def test_start_order_hand_computed(order, expected):
     s, backend, done = one_worker(order)
     s.submit(req("R", 1000), 0.0)
     for rid, n in (("A", 3000), ("B", 1000), ("C", 2000)):
         s.submit(req(rid, n, 0.1), 0.1)
     assert s.workers[0].queued_seconds == pytest.approx(6.0)
-    run_out(s, backend, [starts[1][1], starts[2][1], starts[3][1]])
-    assert backend.started == starts
+    run_out(s, backend, [expected[1][1], expected[2][1], expected[3][1]])
+    assert starts(backend) == expected
     # the reservation falls by each started request's own estimate, whatever the order
     assert s.workers[0].queued_seconds == 0.0 and len(done) == 3
 
@@ -92,9 +79,9 @@ def test_sjf_does_not_start_a_request_before_the_one_computing_its_prefix():
     s.submit(req("T", 1000), 2.0)
     finish(3.648)  # ... but P's end re-ranks Q at the prefix now held: 0.512 s, before T
     assert s._placements["Q"].order_seconds == pytest.approx(0.512)
-    assert [rid for rid, _ in backend.started] == ["R", "S", "P", "Q"]
+    assert [rid for rid, _ in starts(backend)] == ["R", "S", "P", "Q"]
     finish(4.16)
-    assert backend.started[-1] == ("T", 4.16)
+    assert starts(backend)[-1] == ("T", 4.16)
 
 
 def test_max_wait_starts_the_head_once_it_has_waited_too_long():
@@ -104,13 +91,13 @@ def test_max_wait_starts_the_head_once_it_has_waited_too_long():
     s.submit(req("A", 4000, 0.5), 0.5)   # head of the queue, the longest
     s.submit(req("B", 1000, 0.6), 0.6)
     run_out(s, backend, [3.0])           # A has waited 2.5 s > 2 s: it starts before B
-    assert backend.started[-1] == ("A", 3.0)
+    assert starts(backend)[-1] == ("A", 3.0)
     s2, backend2, _ = one_worker(order)
     s2.submit(req("R", 1000), 0.0)       # ends at 1.0: A has waited 0.5 s, B goes first
     s2.submit(req("A", 4000, 0.5), 0.5)
     s2.submit(req("B", 1000, 0.6), 0.6)
     run_out(s2, backend2, [1.0])
-    assert backend2.started[-1] == ("B", 1.0)
+    assert starts(backend2)[-1] == ("B", 1.0)
 
 
 @settings(max_examples=60, deadline=None)
