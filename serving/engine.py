@@ -29,6 +29,7 @@ from serving.policy.cache_manager import PrefixCacheManager
 from serving.policy.composition import CompositionController
 from serving.policy.controller import ReconfigurationController
 from serving.policy.cost_router import VertumnusRouter
+from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.request import Request, RequestRecord
@@ -53,28 +54,39 @@ class Engine(EngineAdmin):
       num_devices: devices of the pool (the controller's capacity).
       router: defaults to `VertumnusRouter(config.beta, config.lam, live_horizon_s=config.
         live_horizon_s, congestion_price=config.congestion_price, queue_order=config.
-        queue_order)`.
+        queue_order)`; with `config.prefix_fetch`, `FetchingVertumnusRouter` with the same
+        knobs, `kv_bytes_per_token` and `config.scaleout_gb_per_s`.
       hash_prompt: `token_ids -> block hashes` (ceil(L / block_size) of them).
       on_record: called with every `Completion`; more go in `record_hooks` (metrics).
       degrees: CP degrees workers may have after a split or merge (default: those of
         `workers`); each must be one the cost model can predict.
+      kv_bytes_per_token: K and V bytes of one token of the served model, all layers
+        (`ModelConfig.kv_bytes_per_token`), >= 1 with `config.prefix_fetch` (it prices a copy).
+
+    Raises:
+      ValueError: `config.prefix_fetch` without `kv_bytes_per_token` >= 1.
     """
 
     def __init__(self, config: EngineConfig, make_backend: Callable, workers: Sequence[WorkerSpec],
                  cost_model, num_devices: int, hash_prompt: Callable[[Sequence[int]], tuple[int, ...]],
                  router: Router | None = None,
                  on_record: Callable[[Completion], None] | None = None,
-                 degrees: Sequence[int] | None = None) -> None:
+                 degrees: Sequence[int] | None = None, kv_bytes_per_token: int = 0) -> None:
         self.config = config
         self._make_backend = make_backend
         self._specs = list(workers)
         self.cost_model = cost_model
         self.num_devices = num_devices
         self._hash_prompt = hash_prompt
-        self._router = router or VertumnusRouter(beta=config.beta, lam=config.lam,
-                                                 live_horizon_s=config.live_horizon_s,
-                                                 congestion_price=config.congestion_price,
-                                                 queue_order=config.queue_order)
+        knobs = dict(beta=config.beta, lam=config.lam, live_horizon_s=config.live_horizon_s,
+                     congestion_price=config.congestion_price, queue_order=config.queue_order)
+        if router is None and config.prefix_fetch:
+            if not (isinstance(kv_bytes_per_token, int) and kv_bytes_per_token >= 1):
+                raise ValueError(f"prefix_fetch needs the model's kv_bytes_per_token >= 1 to "
+                                 f"price a copy, got {kv_bytes_per_token!r}")
+            router = FetchingVertumnusRouter(kv_bytes_per_token,
+                                             scaleout_gb_per_s=config.scaleout_gb_per_s, **knobs)
+        self._router = router or VertumnusRouter(**knobs)
         self.record_hooks: list[Callable[[Completion], None]] = [on_record] if on_record else []
         self.scheduler: Scheduler | None = None
         self.backend = None

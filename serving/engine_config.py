@@ -51,6 +51,11 @@ class EngineConfig:
       queue_order: the order in which a worker's queued prefills start, a `QueueOrder`
         (`serving.policy.queue_order`): FCFS (the paper's) by default; the simulator's
         `vertumnus` starts the shortest predicted prefill first (SJF).
+      prefix_fetch: the default router may fetch for a request the longest prefix another
+        worker holds (`FetchingVertumnusRouter`; the simulator's `vertumnus` does where its
+        replay chose it): copies priced at 100 GB/s within a host, `scaleout_gb_per_s`
+        across; the request's prefill starts once its copy has landed
+        (`serving.fetch_wait`). Off (the paper's router) by default.
       controller: run the split/merge controller; `controller_config` its thresholds.
       controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
         "whatif" (`serving.policy.composition.CompositionController`, the simulator's default
@@ -75,6 +80,7 @@ class EngineConfig:
     live_horizon_s: float | None = None
     congestion_price: bool = False
     queue_order: QueueOrder = FCFS
+    prefix_fetch: bool = False
     controller: bool = True
     controller_config: ControllerConfig = ControllerConfig()
     controller_policy: str = "paper"
@@ -102,9 +108,9 @@ class EngineConfig:
                 math.isfinite(self.live_horizon_s) and self.live_horizon_s > 0):
             raise ValueError(f"live_horizon_s must be None or a finite number > 0 seconds, got "
                              f"{self.live_horizon_s}")
-        if not isinstance(self.congestion_price, bool):
-            raise ValueError(f"congestion_price must be True or False, got "
-                             f"{self.congestion_price!r}")
+        for name in ("congestion_price", "prefix_fetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.queue_order, QueueOrder):
             raise ValueError(f"queue_order must be a QueueOrder, got {self.queue_order!r}")
         if not (math.isfinite(self.scaleout_gb_per_s) and self.scaleout_gb_per_s >= 0):

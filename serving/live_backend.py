@@ -276,7 +276,10 @@ class LiveBackend:
         self._recarver.submit(run)
 
     def replicate(self, replication, now: float) -> None:
-        """Copies the missing blocks on the destination's executor; visible once copied."""
+        """Copies the missing blocks on the destination's executor; visible once copied. A copy
+        made for a request (`FetchOnDispatch`) is submitted before that request's prefill, to
+        the same one-thread executor, so the prefill runs once the copy has landed
+        (`serving.fetch_wait`)."""
         rep = replication
         src, dst = self.workers.get(rep.src), self.workers.get(rep.dst)
         if src is None or dst is None:

@@ -72,6 +72,14 @@ _QUEUE_ORDER = flags.DEFINE_string(
     "'sjf' (shortest predicted prefill first, the simulator's vertumnus) or 'sjf:S' (SJF, but "
     "the head of a queue, its earliest placed request, starts next once it has waited S seconds "
     "since its arrival); serving/policy/queue_order.py.")
+_PREFIX_FETCH = flags.DEFINE_boolean(
+    "prefix_fetch", False, "Let the router fetch for a request the longest prefix another "
+    "worker holds when that beats recomputing it (serving.policy.fetch_router; the simulator's "
+    "vertumnus does where its replay chose it); the prefill starts once the copy has landed. "
+    "Off = the paper's router.")
+flags.register_multi_flags_validator(
+    ["router", "prefix_fetch"], lambda f: not (f["router"] and f["prefix_fetch"]),
+    message="--prefix_fetch sets Vertumnus's own router; it does not apply with --router")
 flags.register_multi_flags_validator(
     ["router", "queue_order"], lambda f: not (f["router"] and f["queue_order"] != "fcfs"),
     message="--queue_order sets Vertumnus's own router; it does not apply with --router")
@@ -195,7 +203,7 @@ def server_config() -> ServerConfig:
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
             live_horizon_s=_LIVE.value or None, congestion_price=_CONGESTION.value,
-            queue_order=parse_queue_order(_QUEUE_ORDER.value),
+            queue_order=parse_queue_order(_QUEUE_ORDER.value), prefix_fetch=_PREFIX_FETCH.value,
             controller=_CONTROLLER.value, controller_config=ctl,
             controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,

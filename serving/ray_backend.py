@@ -10,7 +10,9 @@ Prefix copies: between workers of one host the agent copies device to device; ac
 source agent exports the blocks to host memory and the destination agent imports them, the
 `ObjectRef` of the export passed straight to the import so Ray's object store moves the bytes
 between nodes. Either way the scheduler hears of a copy only once it has landed
-(`PrefixCopies.finish`), so the trie never lists a block that is not there.
+(`PrefixCopies.finish`), so the trie never lists a block that is not there. A copy made for a
+request (a fetching router's plan) holds that request's prefill until the copy ends
+(`serving.fetch_wait`): agents run calls concurrently, so it would otherwise start first.
 
 Failure: a host whose agent dies (any call raises `RayActorError`, or the periodic `ping` from
 `tick` does) is lost: `Scheduler.lose_workers` re-routes its queued requests, fails its running
@@ -22,57 +24,22 @@ back bare; the next `tick` finds it and sets it up as new workers (`Scheduler.ad
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 
+from serving.fetch_wait import FetchWaits
 from serving.kv_hold import KVHolds
 from serving.live_backend import LivePrefill
 from serving.policy.backend import PrefillResult
 from serving.policy.worker import WorkerSpec
 from serving.ray_handoff import RemoteHandOff
+from serving.ray_state import HostState, RemoteWorker
 
 _log = logging.getLogger(__name__)
 # Seconds between liveness pings of one host agent, and how long one may take.
 PING_INTERVAL = 1.0
 PING_TIMEOUT = 10.0
-
-
-@dataclasses.dataclass
-class HostState:
-    """The head's view of one host agent.
-
-    Attributes:
-      host_id: the host's index; its devices are `[host_id * M, (host_id + 1) * M)` pool-wide.
-      agent: the Ray actor handle.
-      composition: the CP degrees its workers start with (and restart with).
-      state: "starting", "alive", "dead" or "rejoining".
-      worker_ids: its current workers (pool-wide ids).
-      info: the agent's `info()` (pid, node id, device platform and count).
-      lost_at: seconds (head clock) when it was found dead, or None.
-    """
-
-    host_id: int
-    agent: object
-    composition: tuple[int, ...]
-    state: str = "starting"
-    worker_ids: set[int] = dataclasses.field(default_factory=set)
-    info: dict = dataclasses.field(default_factory=dict)
-    lost_at: float | None = None
-    ping_in_flight: bool = False
-    last_ping: float = float("-inf")
-
-
-@dataclasses.dataclass
-class RemoteWorker:
-    """The head's record of a worker on a host agent (for `GET /v1/workers`)."""
-
-    host_id: int
-    cp_degree: int
-    device_ids: tuple[int, ...]
-    kv_blocks_cached: int = 0
-    prefill_executables: int = 0
 
 
 class RayBackend:
@@ -93,6 +60,7 @@ class RayBackend:
       prefills: request id -> `LivePrefill` (as `LiveBackend`'s).
       handoff: the head's side of KV holds kept on the agents (`serving.ray_handoff`).
       errors: failures of background operations, for logs and tests.
+      waits: prefills held until the prefix copy made for them lands (`FetchWaits`).
       dispatch_log: the latest prefills' wall-clock `(sent, entered, left, received)` times
         (`time.time()`: the head's call, its arrival in the agent, the agent's return, the
         head's callback), for `serving.bench_hosts`.
@@ -115,6 +83,7 @@ class RayBackend:
         self._running: dict[object, int] = {}  # request id -> worker id, while on an agent
         self.dispatch_log: collections.deque = collections.deque(maxlen=10_000)
         self.handoff = RemoteHandOff(KVHolds(kv_hold_seconds), self)
+        self.waits = FetchWaits()
         for s in specs:
             self._track(s)
 
@@ -176,8 +145,11 @@ class RayBackend:
 
     # ------------------------------------------------------------------------------ Backend
     def start_prefill(self, worker_id: int, request, now: float) -> None:
-        host = self._host_of(worker_id)
         rid = request.request_id
+        if self.waits.hold(worker_id, rid, lambda: self.start_prefill(worker_id, request,
+                                                                      self._clock())):
+            return  # its prefix is being copied to the worker for it
+        host = self._host_of(worker_id)
         self._running[rid] = worker_id
         hold_id = self.handoff.wanted.pop(rid, None)
         sent = time.time()
@@ -237,8 +209,9 @@ class RayBackend:
 
     def replicate(self, replication, now: float) -> None:
         rep = replication
+        self.waits.copy_started(rep)
         if rep.src not in self.workers or rep.dst not in self.workers:
-            self._post(lambda: self.scheduler.copies.finish(rep, self._clock(), (), ()))
+            self._post(lambda: self._copied(rep, (), ()))
             return
         src, dst = self._host_of(rep.src), self._host_of(rep.dst)
 
@@ -249,7 +222,7 @@ class RayBackend:
             w = self.workers.get(rep.dst)
             if w is not None:
                 w.kv_blocks_cached += len(inserted) - len(evicted)
-            self.scheduler.copies.finish(rep, self._clock(), inserted, evicted)
+            self._copied(rep, inserted, evicted)
 
         if src is dst:
             ref = dst.agent.replicate.remote(rep)
@@ -257,6 +230,13 @@ class RayBackend:
             kv = src.agent.export_prefix.remote(rep.src, rep.chain, rep.start)
             ref = dst.agent.import_prefix.remote(rep.dst, rep.chain, rep.start, kv)
         self._then(ref, [src] if src is dst else [src, dst], finished, "copy")
+
+    def _copied(self, rep, inserted, evicted) -> None:
+        """A copy ended: the scheduler hears of it, then a prefill held for it starts."""
+        try:
+            self.scheduler.copies.finish(rep, self._clock(), inserted, evicted)
+        finally:
+            self.waits.copy_ended(rep)
 
     def reclaim(self, worker_id: int, chain, now: float) -> None:
         chain = tuple(chain)
@@ -314,6 +294,7 @@ class RayBackend:
         if lost:
             self.scheduler.lose_workers(lost, self._clock(),
                                         f"host {host_id} was lost ({reason})")
+        self.waits.workers_lost(gone)  # a copy from there never ends: its prefill starts now
 
     def tick(self, now: float) -> None:
         """Pings every host agent (one ping in flight per host): a dead one is lost; a dead one

@@ -24,8 +24,9 @@ import math
 from collections.abc import Sequence
 
 from serving.host_agent import AgentConfig, HostAgent
-from serving.ray_backend import HostState, RayBackend
 from serving.policy.worker import WorkerSpec
+from serving.ray_backend import RayBackend
+from serving.ray_state import HostState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ def build_ray_engine(config, hosts: HostsConfig):
                                 usable_degrees)
 
     ecfg = config.engine
-    name, vocab, tokenizer = model_info(config)
+    name, vocab, tokenizer, kv_bytes = model_info(config)
     cost_model = fit_cost_model(config)
     import ray
     if not ray.is_initialized() and not hosts.local_hosts:
@@ -180,7 +181,8 @@ def build_ray_engine(config, hosts: HostsConfig):
                           max_input_len=ecfg.max_input_len,
                           kv_hold_seconds=ecfg.kv_hold_seconds)
 
-    engine = assemble_engine(config, make_backend, specs, cost_model, n_hosts * m, degrees)
+    engine = assemble_engine(config, make_backend, specs, cost_model, n_hosts * m, degrees,
+                             kv_bytes)
     return engine, tokenizer, name, vocab
 
 

@@ -128,10 +128,10 @@ def fit_cost_model(config: ServerConfig) -> PrefillCostModel:
 
 def assemble_engine(config: ServerConfig, make_backend, specs: Sequence[WorkerSpec],
                     cost_model: PrefillCostModel, num_devices: int,
-                    degrees: Sequence[int]) -> Engine:
+                    degrees: Sequence[int], kv_bytes_per_token: int = 0) -> Engine:
     """The `Engine` over `make_backend`'s backend and `specs` (one or several hosts): the
     controller's degree range set to `degrees`, prompts hashed per full block, `config.router`
-    or the default router."""
+    or the default router (`kv_bytes_per_token`: the served model's, for prefix fetches)."""
     ecfg = config.engine
     ctl = dataclasses.replace(ecfg.controller_config, min_degree=degrees[0],
                               max_degree=degrees[-1])
@@ -143,7 +143,7 @@ def assemble_engine(config: ServerConfig, make_backend, specs: Sequence[WorkerSp
 
     router = router_from_spec(config.router) if config.router else None
     return Engine(ecfg, make_backend, specs, cost_model, num_devices, hash_prompt,
-                  router=router, degrees=degrees)
+                  router=router, degrees=degrees, kv_bytes_per_token=kv_bytes_per_token)
 
 
 def _model_name(config: ServerConfig) -> str:
@@ -171,7 +171,7 @@ def build_engine(config: ServerConfig, devices: Sequence):
         model = load_hf_checkpoint(config.checkpoint)
     else:
         model = init_model(ModelConfig.named(config.model), seed=config.seed)
-    vocab = model.config.vocab_size
+    vocab, kv_bytes = model.config.vocab_size, model.config.kv_bytes_per_token
     tokenizer = load_tokenizer(config.checkpoint, vocab)
     cost_model = fit_cost_model(config)
     degrees = usable_degrees(config, len(devices))
@@ -190,13 +190,14 @@ def build_engine(config: ServerConfig, devices: Sequence):
                            interpret=config.interpret, min_bucket=config.min_bucket,
                            kv_hold_seconds=ecfg.kv_hold_seconds)
 
-    engine = assemble_engine(config, make_backend, specs, cost_model, len(devices), degrees)
+    engine = assemble_engine(config, make_backend, specs, cost_model, len(devices), degrees,
+                             kv_bytes)
     return engine, tokenizer, _model_name(config), vocab
 
 
 def model_info(config: ServerConfig):
-    """`(name, vocab_size, tokenizer)` of the served model without loading its weights (the
-    head process of the multi-host pool).
+    """`(name, vocab_size, tokenizer, kv_bytes_per_token)` of the served model without loading
+    its weights (the head process of the multi-host pool).
 
     Raises:
       ValueError / FileNotFoundError: an unknown model name or an unreadable checkpoint config.
@@ -210,7 +211,8 @@ def model_info(config: ServerConfig):
             mc = ModelConfig.from_hf_config(json.load(f))
     else:
         mc = ModelConfig.named(config.model)
-    return _model_name(config), mc.vocab_size, load_tokenizer(config.checkpoint, mc.vocab_size)
+    return (_model_name(config), mc.vocab_size, load_tokenizer(config.checkpoint, mc.vocab_size),
+            mc.kv_bytes_per_token)
 
 
 def make_app(config: ServerConfig, engine, tokenizer, name: str, vocab: int):

@@ -41,8 +41,8 @@ class MooncakeConductorRouter:
     (`serving.policy.replication.FetchOnDispatch`): the scheduler copies the missing blocks of the
     longest prefix another worker holds then (reason "request-transfer"), and the simulated
     backend starts the prefill when the copy is done, so the run is charged queue + transfer +
-    prefill with the fetched prefix, as Algorithm 1 estimates it (the live backend copies but
-    does not hold the prefill for the copy). A fetch not made (nothing longer to fetch by then,
+    prefill with the fetched prefix, as Algorithm 1 estimates it (the live backends hold it too:
+    `serving.fetch_wait`). A fetch not made (nothing longer to fetch by then,
     or the copy refused) leaves the request on its local prefix; `fetches.started` /
     `fetches.skipped` count them. Among equal estimates the plan that copies less wins (then
     round-robin). The scheduler reserves the local-prefix estimate. `last_transfer_blocks`

@@ -22,8 +22,8 @@ the cheapest fetch wins (so a shorter prefix on w's own host can beat a longer o
 scale-out network). When the chosen plan fetches, the
 copy is made when the request leaves the worker's queue (`serving.policy.replication.
 FetchOnDispatch`: the longest prefix another worker holds then, only the missing blocks, reason
-"request-transfer"), and the simulated backend starts the prefill when the copy is done (the
-live backend copies without holding the prefill): TTFT = queue + transfer + prefill, as priced.
+"request-transfer"), and the backend starts the prefill when the copy is done (the simulator,
+and the live backends: `serving.fetch_wait`): TTFT = queue + transfer + prefill, as priced.
 A fetch not made (nothing longer to fetch by then, or the copy refused) leaves the request on
 its local prefix. Among equal costs the plan that copies less wins (then round-robin). The
 scheduler reserves the local-prefix estimate `T(C_w, L_r, h_w)`, not `S_w`.

@@ -29,8 +29,8 @@ class Replication:
       started: seconds.
       reason: "inter-degree" or "intra-degree" (the prefix-cache manager's), or
         "request-transfer" (a router's plan to fetch a request's prefix, Mooncake's Conductor).
-      request_id: for "request-transfer", the request whose prefill waits for the copy; a
-        backend that can (the simulator) starts that prefill only once the copy is done.
+      request_id: for "request-transfer", the request whose prefill waits for the copy: the
+        backends start that prefill only once the copy is done (`serving.fetch_wait`).
     """
 
     src: int
@@ -304,8 +304,8 @@ class FetchOnDispatch:
     `serving.policy.fetch_router`) records the plan at routing time (`plan`); when the request leaves
     its worker's queue the scheduler's dispatch hook starts the copy
     (`PrefixCopies.fetch_for_request`: the longest prefix any other worker holds *then*, only
-    the blocks the worker lacks), and a backend that can holds the prefill until the copy is
-    done. So TTFT = queue + transfer + prefill, as Mooncake's Algorithm 1 estimates it, and the
+    the blocks the worker lacks), and the backend holds the prefill until the copy is done
+    (the simulator, and the live backends: `serving.fetch_wait`). So TTFT = queue + transfer + prefill, as Mooncake's Algorithm 1 estimates it, and the
     fetched blocks are not evicted while the request waits in the queue.
 
     Attributes:

@@ -29,7 +29,8 @@ def make_client(**kwargs):
 def make_app(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="admin",
              fail_token=None, composition=(4, 2, 2), max_model_len=1024, router=None,
              degrees=(1, 2, 4, 8), controller_policy=None, body_timeout=30.0,
-             live_horizon_s=None, congestion_price=False, queue_order=FCFS):
+             live_horizon_s=None, congestion_price=False, queue_order=FCFS,
+             prefix_fetch=False, kv_bytes_per_token=0):
     """The real HTTP app over an engine whose backend is `FakeBackend` (`seconds` per prefill),
     and the engine."""
     cfg = EngineConfig(block_size=BS, kv_blocks_per_device=64, max_model_len=max_model_len,
@@ -37,7 +38,7 @@ def make_app(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="adm
                        max_in_flight=max_in_flight, tick_seconds=0.05,
                        controller_policy=controller_policy or "paper",
                        live_horizon_s=live_horizon_s, congestion_price=congestion_price,
-                       queue_order=queue_order)
+                       queue_order=queue_order, prefix_fetch=prefix_fetch)
     specs = layout_workers(list(composition), 64, max_model_len)
     cost = PrefillCostModel.fit(read_profile_csv(DEFAULT_PROFILE))
 
@@ -50,7 +51,7 @@ def make_app(*, seconds=0.01, max_in_flight=64, api_key=None, admin_api_key="adm
         return chain_block_hashes(hash(tuple(tokens[i:i + BS])) for i in range(0, len(tokens), BS))
 
     engine = Engine(cfg, make_backend, specs, cost, sum(composition), hash_prompt, router=router,
-                    degrees=degrees)
+                    degrees=degrees, kv_bytes_per_token=kv_bytes_per_token)
     app = create_app(engine, tokenizer=ByteTokenizer(256), model_name="tiny", vocab_size=256,
                      api_key=api_key, admin_api_key=admin_api_key, body_timeout=body_timeout)
     return app, engine

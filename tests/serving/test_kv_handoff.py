@@ -2,7 +2,8 @@
 `do_remote_decode`, the answer's `kv_transfer_params`, and a decode-side pull of the KV
 (`GET /v1/kv/{id}`, safetensors) compared with the single-device reference prefill
 (`vertumnus_jax.full_prefill`) at CP degrees 1, 2 and 4, behind a cached prefix, under cache
-pressure, across a split; release, expiry and preemption free the blocks.
+pressure, across a split; release, expiry and preemption free the blocks. And a prefix fetched
+for a request lands before its prefill starts.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def server():
     app = build_app(cfg, jax.devices()[:8])
     with TestClient(app) as c:
         yield c, app.state.engine
-    DegreeRouter.target = None
+    DegreeRouter.target = DegreeRouter.worker_id = DegreeRouter.fetch_blocks = None
 
 
 def _prompt(seed, n):
@@ -113,6 +114,29 @@ def test_pull_behind_cached_prefix(server, reference):
     hold_id = body["kv_transfer_params"]["remote_request_id"]
     _assert_kv_equal(_pull(client, hold_id, release="false"), reference(prompt))
     _assert_kv_equal(_pull(client, hold_id), reference(prompt))  # kept by release=false
+
+
+def test_a_prefill_waits_for_the_prefix_fetched_for_it(server):
+    """A request placed on one CP-1 worker with a plan to fetch its prefix from the other (as
+    a fetching router plans it) runs once the copy has landed: the copy goes first on the
+    destination's one-thread executor, so its prefix is a hit (`serving.fetch_wait`)."""
+    client, engine = server
+    src, dst = sorted(w.worker_id for w in engine.scheduler.workers.values()
+                      if w.cp_degree == 1)
+    prompt = _prompt(15, 64)  # 4 full blocks, 3 cacheable
+    DegreeRouter.worker_id = src
+    try:
+        assert _prefill(client, prompt, 1, "fetch-src", hold=False)["worker_id"] == src
+        copies = len(engine.scheduler.copies.log)
+        DegreeRouter.worker_id, DegreeRouter.fetch_blocks = dst, 3
+        body = _prefill(client, prompt, 1, "fetch-dst", hold=False)
+    finally:
+        DegreeRouter.worker_id = DegreeRouter.fetch_blocks = None
+    assert body["worker_id"] == dst
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # fetched, then a hit
+    log = list(engine.scheduler.copies.log)[copies:]
+    assert [(c["src"], c["dst"], c["blocks"], c["reason"]) for c in log] == [
+        (src, dst, 3, "request-transfer")]
 
 
 def test_held_blocks_survive_cache_pressure(server, reference):

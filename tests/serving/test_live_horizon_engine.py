@@ -1,8 +1,13 @@
-"""The live engine runs the placement cost with live sets (`--live_horizon_s`): the same
-`VertumnusRouter` the simulator's `vertumnus` uses, over the fake backend behind the real app."""
+"""The live engine runs the placement cost with live sets (`--live_horizon_s`), the congestion
+price, the queue order and prefix fetches (`--prefix_fetch`): the same routers the simulator's
+`vertumnus` uses, over the fake backend behind the real app."""
 
 from __future__ import annotations
 
+import pytest
+
+from serving.engine import EngineConfig
+from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.live_set import LiveWorkingSet
 from serving.policy.queue_order import FCFS, SJF
 from tests.serving.api_fixtures import BS, make_client
@@ -57,3 +62,29 @@ def test_live_engine_starts_queued_prefills_in_the_configured_order():
     client, engine = make_client()
     with client:
         assert engine.scheduler.queue_order == FCFS  # the live default: the paper's order
+
+
+def test_live_engine_fetches_prefixes_when_asked():
+    # The plans are checked by hand in tests/serving/policy/test_fetch_router.py, the hold of
+    # a prefill behind its copy in test_kv_handoff.py and test_ray_pool.py; here the engine's
+    # router is the fetching one, with the model's KV bytes and the config's knobs.
+    client, engine = make_client(prefix_fetch=True, kv_bytes_per_token=4096, queue_order=SJF,
+                                 live_horizon_s=300.0)
+    with client:
+        router = engine._router
+        assert isinstance(router, FetchingVertumnusRouter)
+        assert (router.kv_bytes_per_token, router.transfer_gb_per_s) == (4096, 100.0)
+        assert router.scaleout_gb_per_s == engine.config.scaleout_gb_per_s
+        assert router.queue_order == SJF and router.live.horizon_s == 300.0
+        ids = [(11 * j) % 250 + 1 for j in range(2 * BS + 1)]
+        assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
+    client, engine = make_client()
+    with client:
+        assert not isinstance(engine._router, FetchingVertumnusRouter)  # the live default
+
+
+def test_prefix_fetch_needs_the_models_kv_bytes():
+    with pytest.raises(ValueError, match="kv_bytes_per_token >= 1"):
+        make_client(prefix_fetch=True)
+    with pytest.raises(ValueError, match="prefix_fetch must be True or False"):
+        EngineConfig(prefix_fetch=1)

@@ -34,7 +34,7 @@ def test_bad_flags_exit_with_a_message():
 
 
 @pytest.mark.parametrize("flag", ["--live_horizon_s=300", "--congestion_price",
-                                  "--queue_order=sjf"])
+                                  "--queue_order=sjf", "--prefix_fetch"])
 def test_router_knobs_with_a_plugin_router_are_refused(flag):
     out = subprocess.run([sys.executable, "-m", "serving.main", flag,
                           "--router=serving.policy.router:LeastWorkRouter",

@@ -52,7 +52,7 @@ def pool():
         with TestClient(app) as client:
             yield client, app.state.engine
     finally:
-        DegreeRouter.worker_id = DegreeRouter.target = None
+        DegreeRouter.worker_id = DegreeRouter.target = DegreeRouter.fetch_blocks = None
         DegreeRouter.spread = False
         ray.shutdown()
 
@@ -112,6 +112,33 @@ def test_prefix_copied_across_hosts_is_a_hit_there(pool, greedy):
     assert body["worker_id"] == dst
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # copied, not recomputed
     assert body["choices"][0]["token_ids"] == [greedy(prompt)]
+
+
+def test_a_prefill_waits_for_the_prefix_fetched_for_it(pool, greedy):
+    """A request placed on a host-1 worker with a plan to fetch its prefix from host 0 (as a
+    fetching router plans it) starts its prefill only once the copy has landed: its prefix is
+    a hit there, as the simulator and the router's price assume (`serving.fetch_wait`)."""
+    client, engine = pool
+    workers = _workers(client)
+    src = max(w for w in workers if workers[w]["host"] == 0)
+    dst = max(w for w in workers if workers[w]["host"] == 1)
+    prompt = _prompt(150, 64)  # 4 full blocks, 3 cacheable
+    DegreeRouter.worker_id = src
+    assert client.post("/v1/completions", json={"prompt": prompt}).json()["worker_id"] == src
+    copies = len(engine.scheduler.copies.log)
+    DegreeRouter.worker_id, DegreeRouter.fetch_blocks = dst, 3
+    try:
+        body = client.post("/v1/completions", json={"prompt": prompt}).json()
+    finally:
+        DegreeRouter.worker_id = DegreeRouter.fetch_blocks = None
+    assert body["worker_id"] == dst
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # fetched, then a hit
+    assert body["choices"][0]["token_ids"] == [greedy(prompt)]
+    log = list(engine.scheduler.copies.log)[copies:]
+    assert [(c["src"], c["dst"], c["blocks"], c["reason"]) for c in log] == [
+        (src, dst, 3, "request-transfer")]
+    assert len(engine.backend.waits) == 0 and engine.backend.waits.started >= 1
+    assert not engine.backend.errors
 
 
 def test_kv_held_on_a_host_agent_is_pulled_through_the_head(pool):
