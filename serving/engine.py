@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -64,7 +65,8 @@ class Engine(EngineAdmin):
         (`ModelConfig.kv_bytes_per_token`), >= 1 with `config.prefix_fetch` (it prices a copy).
 
     Raises:
-      ValueError: `config.prefix_fetch` without `kv_bytes_per_token` >= 1.
+      ValueError: `config.prefix_fetch` without `kv_bytes_per_token` >= 1 (with `router`
+        given, `prefix_fetch` does not apply: the router is the caller's).
     """
 
     def __init__(self, config: EngineConfig, make_backend: Callable, workers: Sequence[WorkerSpec],
@@ -81,9 +83,11 @@ class Engine(EngineAdmin):
         knobs = dict(beta=config.beta, lam=config.lam, live_horizon_s=config.live_horizon_s,
                      congestion_price=config.congestion_price, queue_order=config.queue_order)
         if router is None and config.prefix_fetch:
-            if not (isinstance(kv_bytes_per_token, int) and kv_bytes_per_token >= 1):
+            if not (isinstance(kv_bytes_per_token, numbers.Integral)
+                    and not isinstance(kv_bytes_per_token, bool) and kv_bytes_per_token >= 1):
                 raise ValueError(f"prefix_fetch needs the model's kv_bytes_per_token >= 1 to "
                                  f"price a copy, got {kv_bytes_per_token!r}")
+            kv_bytes_per_token = int(kv_bytes_per_token)
             router = FetchingVertumnusRouter(kv_bytes_per_token,
                                              scaleout_gb_per_s=config.scaleout_gb_per_s, **knobs)
         self._router = router or VertumnusRouter(**knobs)

@@ -209,8 +209,8 @@ class RayBackend:
 
     def replicate(self, replication, now: float) -> None:
         rep = replication
-        self.waits.copy_started(rep)
         if rep.src not in self.workers or rep.dst not in self.workers:
+            self.waits.copy_started(rep)
             self._post(lambda: self._copied(rep, (), ()))
             return
         src, dst = self._host_of(rep.src), self._host_of(rep.dst)
@@ -229,6 +229,7 @@ class RayBackend:
         else:  # through the object store: the export's ref goes straight to the import
             kv = src.agent.export_prefix.remote(rep.src, rep.chain, rep.start)
             ref = dst.agent.import_prefix.remote(rep.dst, rep.chain, rep.start, kv)
+        self.waits.copy_started(rep)  # taken: a prefill held for it starts when it ends
         self._then(ref, [src] if src is dst else [src, dst], finished, "copy")
 
     def _copied(self, rep, inserted, evicted) -> None:

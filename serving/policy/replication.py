@@ -181,8 +181,8 @@ class PrefixCopies:
                           ) -> Replication | None:
         """Copies to `dst` the longest leading run of `request`'s blocks (at most `max_blocks`,
         and at most its cacheable blocks) that another worker of the pool holds, when that is
-        longer than what `dst` holds: a copy for that request (reason "request-transfer"; a
-        backend that can holds the request's prefill until it is done). The source is the
+        longer than what `dst` holds: a copy for that request (reason "request-transfer"; the
+        backend holds the request's prefill until it is done). The source is the
         holder of the longest run (the lowest worker id among equals).
 
         Returns:
@@ -297,6 +297,9 @@ class PrefixCopies:
         return len(dropped)
 
 
+_PRUNE_FLOOR = 256  # plans kept before the first pruning (`FetchOnDispatch._prune`)
+
+
 class FetchOnDispatch:
     """A router's per-request prefix fetches, made when each request is dispatched.
 
@@ -305,8 +308,9 @@ class FetchOnDispatch:
     its worker's queue the scheduler's dispatch hook starts the copy
     (`PrefixCopies.fetch_for_request`: the longest prefix any other worker holds *then*, only
     the blocks the worker lacks), and the backend holds the prefill until the copy is done
-    (the simulator, and the live backends: `serving.fetch_wait`). So TTFT = queue + transfer + prefill, as Mooncake's Algorithm 1 estimates it, and the
-    fetched blocks are not evicted while the request waits in the queue.
+    (the simulator, and the live backends: `serving.fetch_wait`). So TTFT = queue + transfer +
+    prefill, as Mooncake's Algorithm 1 estimates it, and the fetched blocks are not evicted
+    while the request waits in the queue.
 
     Attributes:
       started: copies started for requests.
@@ -317,6 +321,7 @@ class FetchOnDispatch:
     def __init__(self) -> None:
         self.started = self.skipped = 0
         self._plans: dict = {}  # request id -> (worker id, blocks wanted)
+        self._prune_at = _PRUNE_FLOOR
         self._scheduler = None
 
     def attach(self, scheduler) -> None:
@@ -330,6 +335,21 @@ class FetchOnDispatch:
         fetched when it starts (a later plan for the same request replaces it)."""
         if self._scheduler is not None:
             self._plans[request.request_id] = (worker_id, blocks)
+            if len(self._plans) > self._prune_at:
+                self._prune(request.request_id)
+
+    def _prune(self, keep) -> None:
+        """Forgets the plans of requests queued on no worker (aborted, or failed, before they
+        started: no dispatch pops their plan), but `keep`'s (being placed). Called when the
+        plans double past the last count: O(1) amortized per plan, memory bounded by twice
+        the queued requests."""
+        workers = getattr(self._scheduler, "workers", None)
+        if workers is None:  # a scheduler without queues to look at (test doubles)
+            return
+        queued = {r.request_id for w in workers.values() for r in w.queue}
+        queued.add(keep)
+        self._plans = {rid: p for rid, p in self._plans.items() if rid in queued}
+        self._prune_at = max(_PRUNE_FLOOR, 2 * len(self._plans))
 
     def cancel(self, request) -> None:
         """Forgets `request`'s plan, if any (it was routed again and fetches nothing now)."""

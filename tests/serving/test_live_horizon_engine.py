@@ -76,8 +76,19 @@ def test_live_engine_fetches_prefixes_when_asked():
         assert (router.kv_bytes_per_token, router.transfer_gb_per_s) == (4096, 100.0)
         assert router.scaleout_gb_per_s == engine.config.scaleout_gb_per_s
         assert router.queue_order == SJF and router.live.horizon_s == 300.0
-        ids = [(11 * j) % 250 + 1 for j in range(2 * BS + 1)]
-        assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
+        ids = [(11 * j) % 250 + 1 for j in range(4 * BS + 1)]  # 4 full blocks
+        first = client.post("/v1/completions", json={"prompt": ids}).json()
+        holder = engine.scheduler.workers[first["worker_id"]]
+        holder.queued_seconds = 1e6  # the holder looks busy: the prefix is fetched elsewhere
+        try:
+            again = client.post("/v1/completions", json={"prompt": ids}).json()
+        finally:
+            holder.queued_seconds = 0.0
+        assert again["worker_id"] != first["worker_id"]
+        assert router.fetches.started == 1
+        copies = list(engine.scheduler.copies.log)
+        assert [(c["src"], c["dst"], c["blocks"], c["reason"]) for c in copies] == [
+            (first["worker_id"], again["worker_id"], 4, "request-transfer")]
     client, engine = make_client()
     with client:
         assert not isinstance(engine._router, FetchingVertumnusRouter)  # the live default

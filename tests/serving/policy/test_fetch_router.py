@@ -165,3 +165,43 @@ def test_one_empty_queue_keeps_the_fetch_plans_and_a_rerouted_request_drops_its_
     assert r.choose(q, workers[1:], [0, 4], 0.0) == 1
     sched.dispatch(q, 2, 0.1)
     assert sched.fetched == [] and r.fetches.started == 0
+
+
+def test_plans_of_requests_that_never_start_are_forgotten():
+    # Worker 0 holds 30 blocks of prompts a and b and has a long queue; worker 1 runs a short
+    # prefill. b is placed on worker 1 with a fetch of its 30 blocks and stays queued. Then
+    # copies of a are each placed there with a fetch and withdrawn while queued (a client that
+    # went away): no dispatch pops their plans, so the plans are pruned to those of queued
+    # requests, and b keeps its own.
+    from serving.policy.backend import PrefillResult
+    from serving.policy.scheduler import Scheduler
+
+    class Backend:
+        def __init__(self):
+            self.copies = []
+
+        def start_prefill(self, worker_id, request, now):
+            pass
+
+        def replicate(self, rep, now):
+            self.copies.append((rep.src, rep.dst, rep.num_blocks, rep.request_id))
+
+    backend = Backend()
+    router = FetchingVertumnusRouter(kv_bytes_per_token=1, transfer_gb_per_s=1000.0,
+                                     cost_model=LinearCost())
+    s = Scheduler(layout_workers([1, 1], 1000, 1 << 20), LinearCost(), router, backend)
+    a, b = chain_block_hashes(range(40)), chain_block_hashes(range(100, 140))
+    s.prefix_index.insert(0, a[:30])
+    s.prefix_index.insert(0, b[:30])
+    for wid in (0, 1):
+        s.submit(Request(f"busy{wid}", 0.0, 16, 1, chain_block_hashes([900 + wid]), 16), 0.0)
+    assert s.workers[0].running.request_id == "busy0"
+    s.workers[0].queued_seconds = 100.0
+    assert s.submit(Request("b", 0.0, 40 * BS, 1, b, BS), 0.0) == 1
+    for i in range(600):
+        assert s.submit(Request(f"gone{i}", 0.0, 40 * BS, 1, a, BS), 0.0) == 1
+        assert router.fetches._plans[f"gone{i}"] == (1, 30)
+        assert s.abort(f"gone{i}", 0.0, "client disconnected")
+    assert len(router.fetches._plans) <= 257 and router.fetches._plans["b"] == (1, 30)
+    s.complete(1, "busy1", 0.1, PrefillResult(0, 0.1, 0.1, ()))  # b starts: its copy is made
+    assert backend.copies == [(0, 1, 30, "b")] and router.fetches.started == 1
