@@ -55,7 +55,8 @@ class EngineConfig:
         worker holds (`FetchingVertumnusRouter`; the simulator's `vertumnus` does where its
         replay chose it): copies priced at 100 GB/s within a host, `scaleout_gb_per_s`
         across; the request's prefill starts once its copy has landed
-        (`serving.fetch_wait`). Off (the paper's router) by default.
+        (`serving.fetch_wait`). Off by default: no per-request fetch, each worker priced at
+        its own prefix (the paper's).
       controller: run the split/merge controller; `controller_config` its thresholds.
       controller_policy: "paper" (the threshold controller, `ReconfigurationController`) or
         "whatif" (`serving.policy.composition.CompositionController`, the simulator's default
@@ -65,8 +66,8 @@ class EngineConfig:
       tick_seconds: period of the scheduler's tick (seconds), > 0.
       max_in_flight: requests queued or running beyond which new ones get 429, >= 1.
       scaleout_gb_per_s: bandwidth of a KV copy between workers of different hosts (the
-        prefix-cache manager prices cross-host copies with it; within a host 100 GB/s), GB/s
-        >= 0 (0 = free).
+        prefix-cache manager, and with `prefix_fetch` the router, price cross-host copies with
+        it; within a host 100 GB/s), GB/s >= 0 (0 = free).
       kv_hold_seconds: how long a prompt's KV stays pinned for the decode side when its request
         asked for it (`kv_transfer_params.do_remote_decode`, `serving.kv_hold`) and nobody
         pulls or releases it, seconds > 0.

@@ -75,8 +75,8 @@ _QUEUE_ORDER = flags.DEFINE_string(
 _PREFIX_FETCH = flags.DEFINE_boolean(
     "prefix_fetch", False, "Let the router fetch for a request the longest prefix another "
     "worker holds when that beats recomputing it (serving.policy.fetch_router; the simulator's "
-    "vertumnus does where its replay chose it); the prefill starts once the copy has landed. "
-    "Off = the paper's router.")
+    "vertumnus does where its replay chose it); the prefill starts once the copy has ended "
+    "(normally landed). Off = no per-request fetch (each worker priced at its own prefix).")
 flags.register_multi_flags_validator(
     ["router", "prefix_fetch"], lambda f: not (f["router"] and f["prefix_fetch"]),
     message="--prefix_fetch sets Vertumnus's own router; it does not apply with --router")
@@ -124,8 +124,8 @@ _DEVICES_PER_HOST = flags.DEFINE_integer("devices_per_host", None, "Devices per 
                                          "(default on a cluster: each node's GPU count).",
                                          lower_bound=1)
 _SCALEOUT = flags.DEFINE_float("scaleout_gb_per_s", 25.0, "Bandwidth of a KV copy between "
-                               "hosts (GB/s; the prefix-cache manager prices cross-host copies "
-                               "with it).", lower_bound=0.0)
+                               "hosts (GB/s; the prefix-cache manager, and with --prefix_fetch "
+                               "the router, price cross-host copies with it).", lower_bound=0.0)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to bind.", lower_bound=0, upper_bound=65535)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key required on every endpoint "
