@@ -54,7 +54,7 @@ class EngineConfig:
       prefix_fetch: the default router may fetch for a request the longest prefix another
         worker holds (`FetchingVertumnusRouter`; the simulator's `vertumnus` does where its
         replay chose it): copies priced at 100 GB/s within a host, `scaleout_gb_per_s`
-        across; the request's prefill starts once its copy has landed
+        across; the request's prefill starts once its copy has ended, normally landed
         (`serving.fetch_wait`). Off by default: no per-request fetch, each worker priced at
         its own prefix (the paper's).
       controller: run the split/merge controller; `controller_config` its thresholds.
