@@ -69,9 +69,10 @@ _CONGESTION = flags.DEFINE_boolean(
     "(serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
 _QUEUE_ORDER = flags.DEFINE_string(
     "queue_order", "fcfs", "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
-    "'sjf' (shortest predicted prefill first, the simulator's vertumnus) or 'sjf:S' (SJF, but "
+    "'sjf' (shortest predicted prefill first, the simulator's vertumnus), 'sjf:S' (SJF, but "
     "the head of a queue, its earliest placed request, starts next once it has waited S seconds "
-    "since its arrival); serving/policy/queue_order.py.")
+    "since its arrival) or 'hrrn' (highest response ratio (wait + P) / P next, P the predicted "
+    "prefill: SJF's tail cut, at a higher mean); serving/policy/queue_order.py.")
 _PREFIX_FETCH = flags.DEFINE_boolean(
     "prefix_fetch", False, "Let the router fetch for a request the longest prefix another "
     "worker holds when that beats recomputing it (serving.policy.fetch_router; the simulator's "

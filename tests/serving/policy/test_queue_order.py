@@ -1,4 +1,4 @@
-"""serving.policy.queue_order: which queued prefill a free worker starts (FCFS or SJF)."""
+"""serving.policy.queue_order: which queued prefill a free worker starts (FCFS, SJF, HRRN)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from serving.policy.backend import PrefillResult
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.placement import Placement
 from serving.policy.queue_order import FCFS, SJF, QueueOrder, parse_queue_order
+
+HRRN = QueueOrder("hrrn")
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
@@ -55,6 +57,31 @@ def test_start_order_hand_computed(order, expected):
     assert starts(backend) == expected
     # the reservation falls by each started request's own estimate, whatever the order
     assert s.workers[0].queued_seconds == 0.0 and len(done) == 3
+
+
+@pytest.mark.parametrize("order, expected", [
+    # R (1 s) runs 0 -> 1; A (3 s) arrives at 0.1, C (2 s) at 0.2, B (1 s) at 0.9.
+    # SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7.
+    (SJF, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
+    # HRRN at 1: waits over S are A 0.9 / 3 = 0.3, C 0.8 / 2 = 0.4, B 0.1 / 1 = 0.1: C, 1 -> 3.
+    # At 3: A 2.9 / 3 = 0.97, B 2.1 / 1 = 2.1: B, 3 -> 4; then A, 4 -> 7.
+    (HRRN, [("R", 0.0), ("C", 1.0), ("B", 3.0), ("A", 4.0)]),
+])
+def test_hrrn_start_order_hand_computed(order, expected):
+    s, backend, _ = one_worker(order)
+    s.submit(req("R", 1000), 0.0)
+    for rid, n, t in (("A", 3000, 0.1), ("C", 2000, 0.2), ("B", 1000, 0.9)):
+        s.submit(req(rid, n, t), t)
+    run_out(s, backend, [expected[1][1], expected[2][1], expected[3][1]])
+    assert starts(backend) == expected
+
+
+def test_hrrn_equal_ratios_start_in_placement_order():
+    q = deque([req("X", 2000, 0.0), req("Y", 1000, 0.5), req("Z", 1000, 0.5)])
+    placements = {rid: Placement(None, s, 0, order_seconds=s)
+                  for rid, s in (("X", 2.0), ("Y", 1.0), ("Z", 1.0))}
+    # at 1.0: X 1.0 / 2 = 0.5, Y and Z 0.5 / 1 = 0.5: all equal, the first placed starts
+    assert [HRRN.pop_next(q, placements, 1.0).request_id for _ in range(3)] == ["X", "Y", "Z"]
 
 
 def test_sjf_does_not_start_a_request_before_the_one_computing_its_prefix():
@@ -113,14 +140,14 @@ def test_sjf_pops_in_the_order_of_a_stable_sort(keys):
 
 @pytest.mark.parametrize("spec, want", [
     ("fcfs", FCFS), ("sjf", SJF), ("sjf:30", QueueOrder("sjf", 30.0)),
-    ("sjf:0.5", QueueOrder("sjf", 0.5)),
+    ("sjf:0.5", QueueOrder("sjf", 0.5)), ("hrrn", QueueOrder("hrrn")),
 ])
 def test_parse_queue_order(spec, want):
     assert parse_queue_order(spec) == want
 
 
 @pytest.mark.parametrize("spec", ["", "lifo", "fcfs:3", "sjf:", "sjf:abc", "sjf:0", "sjf:-1",
-                                  "sjf:inf", "sjf:nan"])
+                                  "sjf:inf", "sjf:nan", "hrrn:5"])
 def test_parse_queue_order_refuses(spec):
     with pytest.raises(ValueError, match="queue_order="):
         parse_queue_order(spec)
@@ -129,6 +156,7 @@ def test_parse_queue_order_refuses(spec):
 @pytest.mark.parametrize("kw, match", [
     (dict(kind="lifo"), "kind must be one of"),
     (dict(kind="fcfs", max_wait_s=5.0), "'fcfs' takes None"),
+    (dict(kind="hrrn", max_wait_s=5.0), "'hrrn' takes None"),
     (dict(kind="sjf", max_wait_s=True), "max_wait_s must be"),
     (dict(kind="sjf", max_wait_s=0.0), "max_wait_s must be"),
     (dict(kind="sjf", max_wait_s="5"), "max_wait_s must be"),
