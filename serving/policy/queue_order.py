@@ -124,16 +124,12 @@ class QueueOrder:
                 ratio = (now - r.arrival_time) / s if s > 0 else math.inf
                 if ratio > best:
                     best_i, best = i, ratio
-            if best_i == 0:
-                return queue.popleft()
-            request = queue[best_i]
-            del queue[best_i]
-            return request
-        best_i, best = 0, placements[head.request_id].order_seconds
-        for i, r in enumerate(queue):
-            s = placements[r.request_id].order_seconds
-            if s < best:
-                best_i, best = i, s
+        else:  # sjf: the least key, the first placed among equals
+            best_i, best = 0, placements[head.request_id].order_seconds
+            for i, r in enumerate(queue):
+                s = placements[r.request_id].order_seconds
+                if s < best:
+                    best_i, best = i, s
         if best_i == 0:
             return queue.popleft()
         request = queue[best_i]

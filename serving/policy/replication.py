@@ -343,10 +343,7 @@ class FetchOnDispatch:
         started: no dispatch pops their plan), but `keep`'s (being placed). Called when the
         plans double past the last count: O(1) amortized per plan, memory bounded by twice
         the queued requests."""
-        workers = getattr(self._scheduler, "workers", None)
-        if workers is None:  # a scheduler without queues to look at (test doubles)
-            return
-        queued = {r.request_id for w in workers.values() for r in w.queue}
+        queued = {r.request_id for w in self._scheduler.workers.values() for r in w.queue}
         queued.add(keep)
         self._plans = {rid: p for rid, p in self._plans.items() if rid in queued}
         self._prune_at = max(_PRUNE_FLOOR, 2 * len(self._plans))
