@@ -4,17 +4,17 @@ A router that fetches a prefix for a request (`serving.policy.fetch_router`, Moo
 Conductor in `serving.baselines.mooncake`) prices TTFT = queue + transfer + prefill: the
 prefill starts once the copied blocks are there. `serving.policy.replication.FetchOnDispatch`
 starts the copy (reason "request-transfer") in the scheduler's dispatch hook, just before the
-scheduler asks the backend to start the request's prefill. The simulator then starts that
-prefill when the copy is done (`eval.sim.backend.SimulatedBackend.start_prefill`).
+scheduler asks the backend to start the request's prefill, which must then wait for the copy.
 
-A live backend must do the same. `serving.live_backend.LiveBackend` does so by construction: the
-copy runs on the destination worker's one-thread executor, submitted before the prefill. The
-multi-host `serving.ray_backend.RayBackend` does not: an async host agent runs its calls
-concurrently, and a copy across hosts is an export on one agent then an import on the other,
-so the prefill reached the destination first and recomputed the prefix. It holds the prefill
-here and starts it when the copy ends, landed or not (a failed copy leaves the request on its
-local prefix, as in the simulator), or when a worker of the copy is lost (the prefill of a
-request whose own worker was lost is dropped: `Scheduler.lose_workers` failed it).
+The simulator (`eval.sim.backend.SimulatedBackend`) and the multi-host
+`serving.ray_backend.RayBackend` hold the prefill here, by one rule: it starts when the copy
+ends, landed or not (a failed copy leaves the request on its local prefix), or when a worker
+of the copy is lost (the copy never lands; the prefill of a request whose own worker was lost
+is dropped: `Scheduler.lose_workers` failed it). On Ray this is needed because an async host
+agent runs its calls concurrently, and a copy across hosts is an export on one agent then an
+import on the other, so the prefill reached the destination first and recomputed the prefix.
+The single-host `serving.live_backend.LiveBackend` holds it by construction: the copy runs on
+the destination worker's one-thread executor, submitted before the prefill.
 
 Plain data, called on the scheduler's thread only.
 """

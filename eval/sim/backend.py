@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from eval.sim.local_cache import LocalPrefixCache, split_cache
+from serving.fetch_wait import FetchWaits
 from serving.policy.backend import PrefillResult
 from serving.policy.checks import require_finite
 from serving.policy.replication import SCALEOUT_GB_PER_S, copy_seconds, link_gb_per_s
@@ -124,10 +125,12 @@ class SimulatedBackend:
         self._push = push_completion
         self._push_call = push_call
         self.scheduler = None
-        # request id -> (destination, end time, copy) of the newest copy made for it; a request
+        # The copies made for requests, and the prefills held behind them: the live backends'
+        # own (`serving.fetch_wait`), so both hold and release a prefill by one rule. A request
         # re-routed while its copy is in flight (its worker began a split or merge) may get a
-        # new copy elsewhere, and the old one neither holds nor releases it.
-        self._awaited: dict[str | int, tuple[int, float, object]] = {}
+        # new copy elsewhere; the old one then neither holds nor releases it.
+        self.waits = FetchWaits()
+        self._now = 0.0  # the time of the event that starts held prefills (`waits`)
 
     def recarve(self, reconfiguration, now: float) -> None:
         """Split or merge the caches of drained workers; done `recarve_seconds` later.
@@ -188,13 +191,18 @@ class SimulatedBackend:
             self.degrees[w.worker_id], self.hosts[w.worker_id] = w.cp_degree, w.host
         self._share({w.worker_id: self.caches[w.worker_id] for w in specs})
 
-    def drop_workers(self, worker_ids) -> None:
-        """Forgets lost workers (their host failed; `Scheduler.lose_workers` ran): their caches
-        go, and their pending prefill completions are dropped (`finish_prefill`)."""
-        for w in worker_ids:
+    def drop_workers(self, worker_ids, now: float) -> None:
+        """Forgets workers lost at `now` (their host failed; `Scheduler.lose_workers` ran):
+        their caches go, and their pending prefill completions are dropped (`finish_prefill`).
+        A copy from or to one of them never lands: a prefill held behind it on a worker still
+        there starts now, on its local prefix (`FetchWaits.workers_lost`)."""
+        ids = list(worker_ids)
+        for w in ids:
             self.caches.pop(w, None)
             self.degrees.pop(w, None)
             self.hosts.pop(w, None)
+        self._now = now
+        self.waits.workers_lost(ids)
 
     def replicate(self, replication, now: float) -> None:
         """Copies the missing blocks at `replication_gb_per_s` within a host, at
@@ -204,25 +212,23 @@ class SimulatedBackend:
         The source's blocks are read when the copy starts (the simulated copy does not occupy
         either worker's prefill queue: NVLink/RDMA DMA in the background). A copy made for one
         request (`Replication.request_id`, a router's transfer plan) holds that request's
-        prefill until it is done (`start_prefill`).
+        prefill until it ends, or until a worker of it is lost (`start_prefill`,
+        `drop_workers`).
         """
         rep, cfg = replication, self._config
         bw = link_gb_per_s(self.hosts.get(rep.src, 0), self.hosts.get(rep.dst, 0),
                            cfg.replication_gb_per_s, cfg.scaleout_gb_per_s)
         done = now + copy_seconds(rep.num_blocks, rep.block_size, cfg.kv_bytes_per_token, bw)
-        if rep.request_id is not None:
-            self._awaited[rep.request_id] = (rep.dst, done, rep)
+        self.waits.copy_started(rep)
 
         def finish():
-            if rep.request_id is not None:
-                entry = self._awaited.get(rep.request_id)
-                if entry is not None and entry[2] is rep:
-                    del self._awaited[rep.request_id]
             cache = self.caches.get(rep.dst)
             if cache is None or self.scheduler.copies.is_dropped(rep):
                 cache = None  # a worker of the copy was lost: nothing arrives
             inserted, evicted = cache.insert_chain(rep.chain) if cache is not None else ([], [])
             self.scheduler.copies.finish(rep, done, inserted, evicted)
+            self._now = done
+            self.waits.copy_ended(rep)  # starts the prefill held for it, on what landed
 
         self._push_call(done, finish)
 
@@ -239,19 +245,14 @@ class SimulatedBackend:
         """Takes the hit and makes room now (evictions reported at once, as KV events); the new
         blocks are cached and reported when the prefill completes (`finish_prefill`). A request
         whose prefix is still being copied to the worker for it (`replicate`) starts when the
-        copy is done (the worker waits: TTFT = queue + transfer + prefill, as Mooncake's
-        Conductor estimates it)."""
-        if self._awaited:
-            entry = self._awaited.get(request.request_id)
-            if entry is not None and entry[0] == worker_id:  # (a zero-time copy too)
-                # The copy's completion was scheduled first: at `done` it has been cached and
-                # the request no longer awaits it.
-                done = entry[1]
-                self._push_call(done, lambda: self.start_prefill(worker_id, request, done))
-                return
+        copy ends (the worker waits: TTFT = queue + transfer + prefill, as Mooncake's
+        Conductor estimates it), or when a worker of the copy is lost (`drop_workers`)."""
+        if self.waits.hold(worker_id, request.request_id,
+                           lambda: self.start_prefill(worker_id, request, self._now)):
+            return
         cache = self.caches.get(worker_id)
         if cache is None:
-            return  # the worker was lost while the copy ran: the scheduler failed the request
+            return  # the worker was lost: the scheduler failed the request
         bs, n = request.block_size, request.input_len
         total = -(-n // bs)
         hit, evicted = cache.begin(request.block_hashes, (n - 1) // bs, total)  # max cacheable

@@ -188,7 +188,7 @@ def _host_failure(scheduler: Scheduler, backend: SimulatedBackend, push_call, ho
             return
         specs = [scheduler.workers[w].spec for w in ids if w in scheduler.workers]
         scheduler.lose_workers(ids, fail_at, f"host {host} failed (simulated)")
-        backend.drop_workers(ids)
+        backend.drop_workers(ids, fail_at)
         if back_at is not None:
             push_call(back_at, lambda: back(specs))
 

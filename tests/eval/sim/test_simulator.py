@@ -245,4 +245,39 @@ def test_a_rerouted_request_fetches_only_where_and_when_it_starts(mode):
         assert copies == [(4, pytest.approx(0.825), pytest.approx(1.025))]  # 100 x 4 MB, 2 GB/s
         assert b.cached_len == 400 and b.finish_time == pytest.approx(1.045)
         assert b.ttft == pytest.approx(1.045 - 0.62)
-    assert scheds[0].backend._awaited == {} and scheds[0].copies.in_flight == {}
+    assert len(scheds[0].backend.waits) == 0 and scheds[0].copies.in_flight == {}
+
+
+@pytest.mark.parametrize("fail_at", [None, 7.0])
+def test_a_prefill_held_for_a_copy_starts_when_its_source_host_fails(fail_at):
+    """The scenario above on two hosts of one GPU, copies across them at 2 MB/s: r2's 7-block
+    copy (3.584 MB) runs from 6.0 to 7.792 s, and its prefill waits for it (as the live
+    backends do: `serving.fetch_wait`). When the source's host fails at 7.0 s the copy never
+    lands and r2 starts at once, on its local (empty) prefix: TTFT = 1.0 + 4.196 s, not the
+    copy's end + 4.196 s. r1, running on the lost worker, fails."""
+    from serving.policy.fetch_router import FetchingVertumnusRouter
+
+    kv_bytes, gbps = 1000, 0.002
+    reqs = [make_request("r0", 0.0, 4096, range(1, 9)),
+            make_request("r1", 5.0, 10_000, [1] + list(range(100, 119))),
+            make_request("r2", 6.0, 4096, list(range(1, 8)) + [50])]
+    workers = layout_workers([1, 1], kv_blocks_per_device=100, max_input_len=20_000,
+                             devices_per_host=1)
+    cost = LinearCost()
+    cfg = SimConfig(kv_bytes_per_token=kv_bytes, kv_transfer_gb_per_s=0.0,
+                    scaleout_gb_per_s=gbps, first_token_seconds=0.0, tick_interval=0.0,
+                    gpus_per_host=1, host_failures=((0, fail_at, None),) if fail_at else ())
+    router = FetchingVertumnusRouter(kv_bytes, 100.0, cost_model=cost, scaleout_gb_per_s=gbps)
+    scheds = []
+    records = {r.request.request_id: r for r in simulate(
+        reqs, workers, cost, router, cost, cfg, setup=[scheds.append])}
+    assert [records[k].worker_id for k in ("r0", "r1", "r2")] == [0, 0, 1]
+    copy = 7 * 512 * kv_bytes / (gbps * 1e9)
+    if fail_at is None:
+        assert records["r2"].cached_len == 7 * 512
+        assert records["r2"].ttft == pytest.approx(copy + 0.612)
+    else:
+        assert not records["r1"].ok and records["r2"].ok
+        assert records["r2"].cached_len == 0
+        assert records["r2"].ttft == pytest.approx(fail_at - 6.0 + 4.196)
+    assert len(scheds[0].backend.waits) == 0 and scheds[0].backend.waits.started == 1
