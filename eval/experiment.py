@@ -334,7 +334,8 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
 
     Returns:
       `(results, env)`: one dict per (system, rate) — `eval.metrics.summarize` keys plus
-      `system`, `trace`, `request_rate`, `load_factor`, `composition`, and the run's settings.
+      `system`, `trace`, `request_rate`, `load_factor`, `composition`, `initial_choice`
+      (`System.initial_choice`: how that composition was chosen), and the run's settings.
 
     Raises:
       ValueError: an empty workload, or any invalid setting (see `ReplayConfig`).
@@ -380,7 +381,8 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
         out.update({
             "gpu_busy_fraction": busy,
             "system": name, "trace": trace_name, **load.describe(rate), "load_factor": factor,
-            "composition": system.composition, "parallelism": par, "num_gpus": cfg.num_gpus,
+            "composition": system.composition, "initial_choice": system.initial_choice,
+            "parallelism": par, "num_gpus": cfg.num_gpus,
             "router": type(system.router).__name__,
             "gpu": cfg.gpu, "model": cfg.model,
             "profile": (cfg.profile_csv or "analytic") if par == "cp" else f"analytic-{par}",

@@ -232,6 +232,8 @@ def main(argv):
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     print(report.markdown_table(results))
+    for line in report.initial_choice_lines(results):
+        print(line)
     for r in results:
         if r["failed"]:
             reason, n = next(iter(r["failure_reasons"].items()))

@@ -53,6 +53,26 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
 LINESTYLES = ("-", "--", "-.", ":")
 
 
+def initial_choice_lines(results: Sequence[dict], shown: int = 3) -> list[str]:
+    """One line per result whose starting composition a replay chose (`System.initial_choice`,
+    copied into results by `eval.experiment.run_sweep`): the choice and its first `shown`
+    candidates with their predicted mean TTFT (ms), so the choice can be checked."""
+    out = []
+    for r in results:
+        choice = r.get("initial_choice") or {}
+        if not choice.get("candidates"):
+            continue
+        ranked = "; ".join(
+            f"{c['composition']} {c['router']} {c['predicted_mean_ttft_s'] * 1e3:.0f} ms"
+            + (f" ({c['failed']} failed)" if c["failed"] else "")
+            for c in choice["candidates"][:shown])
+        out.append(f"{r['system']} at {r['request_rate']:.4g} req/s starts from "
+                   f"{choice['composition']} with the {choice['router']} rule, chosen by "
+                   f"{choice['method']} among {choice['compared']} options (best first: "
+                   f"{ranked})")
+    return out
+
+
 def _x_axis(results: Sequence[dict]) -> tuple[str, str]:
     """(result key, label) of the x axis: the load factor when every run has one, else the
     session rate for closed-loop sessions, else the request rate."""

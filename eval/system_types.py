@@ -95,6 +95,7 @@ class PoolConfig:
 
 
 PARALLELISMS = ("cp", "tp")
+INITIAL_CANDIDATES_KEPT = 8  # options of an initial choice a System keeps, best first
 
 
 @dataclasses.dataclass
@@ -113,6 +114,12 @@ class System:
       setup: called with the `Scheduler` before a run (attach a controller or cache manager).
       make_prefix_index: builds the scheduler's index of cached blocks (a `PrefixIndex` by
         default; the `GlobalPrefixTrie` for the prefix-cache manager).
+      initial_choice: how the starting composition was chosen, or None (a fixed pool): a
+        dict with "method" ("replay", "whatif", "paper" or "mixed"), the chosen "composition"
+        and "router" rule, and, for the two replays, "compared" (how many options) and
+        "candidates", the best `INITIAL_CANDIDATES_KEPT` options ranked first to last, each
+        `{"composition", "router", "failed", "predicted_mean_ttft_s"}` (`eval.systems.
+        vertumnus_system`; `eval.experiment.run_sweep` copies it into each result).
 
     Raises:
       ValueError: an unknown parallelism.
@@ -125,6 +132,7 @@ class System:
     parallelism: str = "cp"
     setup: list[Callable[[Scheduler], None]] = dataclasses.field(default_factory=list)
     make_prefix_index: Callable[[], PrefixIndex] = PrefixIndex
+    initial_choice: dict | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in PARALLELISMS:

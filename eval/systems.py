@@ -40,7 +40,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 
-from eval.system_types import PARALLELISMS, Demand, PoolConfig, System
+from eval.system_types import INITIAL_CANDIDATES_KEPT, PARALLELISMS, Demand, PoolConfig, System
 from eval.whatif_sim import replay_choice
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
@@ -157,20 +157,27 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
             _, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
                                        lam, pool.max_input_len, min_largest_degree=need)
             options = sorted(options, key=lambda c: scores[tuple(c)])[:MAX_REPLAYED]
-        comp, chosen, _ = replay_choice(
+        comp, chosen, scores = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,
             tag=(beta, lam, pool.num_gpus, pool.kv_blocks_per_gpu, pool.kv_transfer_gb_per_s,
                  live_horizon_s, congestion_price, queue_order), kv_share=d.replay_kv_share)
         fetch = chosen == "fetch"
         gpu_cost = "degree" if chosen == "cost-degree" else gpu_cost
+        choice = _ranked("replay", comp, chosen, scores)
     elif d is not None and initial == "whatif" and d.sample:
-        comp, _ = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict, lam,
-                                 pool.max_input_len, min_largest_degree=need)
+        comp, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
+                                      lam, pool.max_input_len, min_largest_degree=need)
+        rule = _rule(bool(fetch), gpu_cost)
+        choice = _ranked("whatif", comp, rule, {(c, rule): (0, v) for c, v in scores.items()})
     elif d is not None:
         comp = initial_composition(pool.num_gpus, degrees, d.rate, d.mean_prefill_seconds,
                                    ctl_cfg.upper, min_largest_degree=need)
+        choice = {"method": "paper", "composition": list(comp),
+                  "router": _rule(bool(fetch), gpu_cost)}
     else:
         comp = mixed_degrees(pool.num_gpus, degrees)
+        choice = {"method": "mixed", "composition": list(comp),
+                  "router": _rule(bool(fetch), gpu_cost)}
     setup: list[Callable[[Scheduler], None]] = []
     if controller and control == "whatif":
         cfg = dataclasses.replace(composition_config or CompositionConfig(), lam=lam,
@@ -183,7 +190,25 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         setup.append(PrefixCacheManager(cache_config or CacheManagerConfig(),
                                         pool.kv_transfer_gb_per_s, pool.scaleout_gb_per_s).attach)
     return System(name, pool.workers(comp), make_router(bool(fetch), gpu_cost), setup=setup,
-                  make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex)
+                  make_prefix_index=GlobalPrefixTrie if cache_manager else PrefixIndex,
+                  initial_choice=choice)
+
+
+def _rule(fetching: bool, gpu_cost: str) -> str:
+    """The replay's name of a placement rule: "fetch", "cost-degree" or "cost"."""
+    return "fetch" if fetching else "cost-degree" if gpu_cost == "degree" else "cost"
+
+
+def _ranked(method: str, comp: Sequence[int], router: str,
+            scores: dict[tuple[tuple[int, ...], str], tuple[int, float]]) -> dict:
+    """`System.initial_choice` of a replay: its best `INITIAL_CANDIDATES_KEPT` options (fewer
+    failed requests first, then the predicted mean TTFT in seconds; ties in the replay's
+    order), and how many it compared."""
+    ranked = sorted(scores.items(), key=lambda kv: kv[1])[:INITIAL_CANDIDATES_KEPT]
+    return {"method": method, "composition": list(comp), "router": router,
+            "compared": len(scores),
+            "candidates": [{"composition": list(c), "router": r, "failed": f,
+                            "predicted_mean_ttft_s": t} for (c, r), (f, t) in ranked]}
 
 
 MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {1..8}: 286)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 import subprocess
@@ -244,3 +245,55 @@ def test_replay_cli_accepts_a_plugin_router(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"| {PLUGIN}:ExampleRouter | 2.00 |" in proc.stdout
     assert list(tmp_path.glob(f"toolagent__{PLUGIN}_ExampleRouter__rate2*.json"))  # ":" -> "_"
+
+
+def test_the_initial_choice_is_recorded_with_the_candidates_it_beat(monkeypatch):
+    # A replay that scored five options (hand-made): the System keeps them ranked by failed
+    # requests, then predicted mean TTFT, and the choice is the first.
+    import eval.systems as systems
+    from eval.system_types import Demand
+    from eval.systems import vertumnus_system
+
+    scores = {((4, 4, 4, 4), "cost"): (0, 0.30), ((4, 4, 4, 4), "fetch"): (0, 0.20),
+              ((4, 4, 2, 2, 2, 2), "cost"): (1, 0.10), ((4, 4, 2, 2, 2, 2), "fetch"): (0, 0.25),
+              ((4, 2, 2, 2, 2, 2, 2), "cost-degree"): (0, 0.20)}
+    monkeypatch.setattr(systems, "replay_choice",
+                        lambda *a, **k: ([4, 4, 4, 4], "fetch", dict(scores)))
+    sample = tuple(Request(f"r{i}", 0.1 * i, 600, 1, chain_block_hashes([i, 1000 + i]), 512)
+                   for i in range(10))
+    demand = Demand(1.0, lambda c: 0.1, 600, tuple((r.arrival_time, 600, 0) for r in sample),
+                    sample)
+    system = vertumnus_system(dataclasses.replace(POOL, demand=demand))
+    choice = system.initial_choice
+    assert system.composition == [4, 4, 4, 4] and type(system.router).__name__ == (
+        "FetchingVertumnusRouter")
+    assert (choice["method"], choice["composition"], choice["router"], choice["compared"]) == (
+        "replay", [4, 4, 4, 4], "fetch", 5)
+    assert [(c["composition"], c["router"], c["failed"], c["predicted_mean_ttft_s"])
+            for c in choice["candidates"]] == [
+        ([4, 4, 4, 4], "fetch", 0, 0.20), ([4, 2, 2, 2, 2, 2, 2], "cost-degree", 0, 0.20),
+        ([4, 4, 2, 2, 2, 2], "fetch", 0, 0.25), ([4, 4, 4, 4], "cost", 0, 0.30),
+        ([4, 4, 2, 2, 2, 2], "cost", 1, 0.10)]
+
+
+def test_a_sweep_reports_how_each_start_was_chosen():
+    from eval.report import initial_choice_lines
+
+    workload = tool_agent_workload(duration_s=30.0, seed=5)
+    cfg = ReplayConfig(num_gpus=16, degrees=(2, 4), load_factors=(0.9,),
+                       systems=("vertumnus", "vertumnus-paper", "homogeneous-cp4"))
+    by = {r["system"]: r for r in run_sweep(workload, "t", cfg)[0]}
+    ours, paper = by["vertumnus"]["initial_choice"], by["vertumnus-paper"]["initial_choice"]
+    assert by["homogeneous-cp4"]["initial_choice"] is None  # a fixed pool: nothing chosen
+    assert paper == {"method": "paper", "composition": by["vertumnus-paper"]["composition"],
+                     "router": "cost"}
+    first = ours["candidates"][0]
+    assert (ours["method"], first["composition"], first["router"]) == (
+        "replay", by["vertumnus"]["composition"], ours["router"])
+    keys = [(c["failed"], c["predicted_mean_ttft_s"]) for c in ours["candidates"]]
+    assert keys == sorted(keys) and ours["compared"] >= len(keys) > 1
+    [line] = initial_choice_lines(list(by.values()))
+    assert line.startswith(f"vertumnus at {by['vertumnus']['request_rate']:.4g} req/s starts "
+                           f"from {first['composition']} with the {first['router']} rule, "
+                           f"chosen by replay among {ours['compared']} options")
+    assert f"{first['predicted_mean_ttft_s'] * 1e3:.0f} ms" in line
