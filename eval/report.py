@@ -56,14 +56,17 @@ LINESTYLES = ("-", "--", "-.", ":")
 def initial_choice_lines(results: Sequence[dict], shown: int = 3) -> list[str]:
     """One line per result whose starting composition a replay chose (`System.initial_choice`,
     copied into results by `eval.experiment.run_sweep`): the choice and its first `shown`
-    candidates with their predicted mean TTFT (ms), so the choice can be checked."""
+    candidates (the choice first) with their predicted mean TTFT (ms), so the choice can be
+    checked."""
     out = []
     for r in results:
         choice = r.get("initial_choice") or {}
         if not choice.get("candidates"):
             continue
         ranked = "; ".join(
-            f"{c['composition']} {c['router']} {c['predicted_mean_ttft_s'] * 1e3:.0f} ms"
+            f"{c['composition']} {c['router']} " + (
+                "no request served" if c["predicted_mean_ttft_s"] is None
+                else f"{c['predicted_mean_ttft_s'] * 1e3:.0f} ms")
             + (f" ({c['failed']} failed)" if c["failed"] else "")
             for c in choice["candidates"][:shown])
         out.append(f"{r['system']} at {r['request_rate']:.4g} req/s starts from "

@@ -117,9 +117,11 @@ class System:
       initial_choice: how the starting composition was chosen, or None (a fixed pool): a
         dict with "method" ("replay", "whatif", "paper" or "mixed"), the chosen "composition"
         and "router" rule, and, for the two replays, "compared" (how many options) and
-        "candidates", the best `INITIAL_CANDIDATES_KEPT` options ranked first to last, each
-        `{"composition", "router", "failed", "predicted_mean_ttft_s"}` (`eval.systems.
-        vertumnus_system`; `eval.experiment.run_sweep` copies it into each result).
+        "candidates", `INITIAL_CANDIDATES_KEPT` options: the chosen one, then the best of the
+        others, each `{"composition", "router", "failed", "predicted_mean_ttft_s"}` ("failed"
+        None where the replay does not count failures, the prediction None where no request
+        was served) (`eval.systems.vertumnus_system`; `eval.experiment.run_sweep` copies it
+        into each result).
 
     Raises:
       ValueError: an unknown parallelism.

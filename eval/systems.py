@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -168,7 +169,7 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         comp, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
                                       lam, pool.max_input_len, min_largest_degree=need)
         rule = _rule(bool(fetch), gpu_cost)
-        choice = _ranked("whatif", comp, rule, {(c, rule): (0, v) for c, v in scores.items()})
+        choice = _ranked("whatif", comp, rule, {(c, rule): (None, v) for c, v in scores.items()})
     elif d is not None:
         comp = initial_composition(pool.num_gpus, degrees, d.rate, d.mean_prefill_seconds,
                                    ctl_cfg.upper, min_largest_degree=need)
@@ -200,15 +201,21 @@ def _rule(fetching: bool, gpu_cost: str) -> str:
 
 
 def _ranked(method: str, comp: Sequence[int], router: str,
-            scores: dict[tuple[tuple[int, ...], str], tuple[int, float]]) -> dict:
-    """`System.initial_choice` of a replay: its best `INITIAL_CANDIDATES_KEPT` options (fewer
-    failed requests first, then the predicted mean TTFT in seconds; ties in the replay's
-    order), and how many it compared."""
-    ranked = sorted(scores.items(), key=lambda kv: kv[1])[:INITIAL_CANDIDATES_KEPT]
+            scores: dict[tuple[tuple[int, ...], str], tuple[int | None, float]]) -> dict:
+    """`System.initial_choice` of a replay: how many options it compared, and the chosen one
+    followed by the best of the others (fewer failed requests first, then the predicted mean
+    TTFT in seconds; ties in the replay's order), `INITIAL_CANDIDATES_KEPT` in all. `failed`
+    is None where the replay does not report it (the queueing replay), the prediction None
+    where no request of the sample was served (no mean)."""
+    chosen = (tuple(comp), router)
+    others = sorted((kv for kv in scores.items() if kv[0] != chosen),
+                    key=lambda kv: (kv[1][0] or 0, kv[1][1]))
+    ranked = ([(chosen, scores[chosen])] if chosen in scores else []) + others
     return {"method": method, "composition": list(comp), "router": router,
             "compared": len(scores),
             "candidates": [{"composition": list(c), "router": r, "failed": f,
-                            "predicted_mean_ttft_s": t} for (c, r), (f, t) in ranked]}
+                            "predicted_mean_ttft_s": t if math.isfinite(t) else None}
+                           for (c, r), (f, t) in ranked[:INITIAL_CANDIDATES_KEPT]]}
 
 
 MAX_REPLAYED = 16  # compositions the simulated replay tries at most (40 GPUs, {1..8}: 286)

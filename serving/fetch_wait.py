@@ -49,8 +49,9 @@ class FetchWaits:
 
     def hold(self, worker_id: int, request_id, start: Callable[[], None]) -> bool:
         """Holds the prefill of `request_id` on `worker_id` when a copy to that worker is in
-        flight for it: `start()` is called when the copy ends. Returns whether it was held
-        (False: start it now)."""
+        flight for it: `start()` is called when the copy ends (`copy_ended`) or a worker of it
+        is lost (`workers_lost`; not called when `worker_id` itself is). Returns whether it
+        was held (False: start it now)."""
         rep = self._copies.get(request_id)
         if rep is None or rep.dst != worker_id:
             return False

@@ -30,7 +30,8 @@ class Replication:
       reason: "inter-degree" or "intra-degree" (the prefix-cache manager's), or
         "request-transfer" (a router's plan to fetch a request's prefix, Mooncake's Conductor).
       request_id: for "request-transfer", the request whose prefill waits for the copy: the
-        backends start that prefill only once the copy is done (`serving.fetch_wait`).
+        backends start that prefill only once the copy ends, or a worker of it is lost
+        (`serving.fetch_wait`).
     """
 
     src: int
