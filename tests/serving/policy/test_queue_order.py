@@ -13,12 +13,14 @@ from serving.policy.backend import PrefillResult
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.placement import Placement
 from serving.policy.queue_order import FCFS, SJF, QueueOrder, parse_queue_order
-
-HRRN = QueueOrder("hrrn")
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
 from tests.serving.policy.test_scheduler import Cost, RecordingBackend, req
+
+HRRN = QueueOrder("hrrn")
+TOGETHER = (("A", 3000, 0.1), ("B", 1000, 0.1), ("C", 2000, 0.1))
+SPREAD = (("A", 3000, 0.1), ("C", 2000, 0.2), ("B", 1000, 0.9))
 
 
 def starts(backend):
@@ -40,40 +42,28 @@ def run_out(s, backend, times):
         s.complete(0, rid, now, PrefillResult(0, now, now))
 
 
-@pytest.mark.parametrize("order, expected", [
-    # A (3 s), B (1 s), C (2 s) queued behind R, which ends at 1 s.
+@pytest.mark.parametrize("order, arrivals, expected", [
+    # A (3 s), B (1 s), C (2 s) queued at 0.1 s behind R, which ends at 1 s.
     # FCFS: A 1 -> 4, B 4 -> 5, C 5 -> 7: TTFTs 3.9, 4.9, 6.9 s, mean 5.23 s.
-    (FCFS, [("R", 0.0), ("A", 1.0), ("B", 4.0), ("C", 5.0)]),
+    (FCFS, TOGETHER, [("R", 0.0), ("A", 1.0), ("B", 4.0), ("C", 5.0)]),
     # SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7: TTFTs 1.9, 3.9, 6.9 s, mean 4.23 s.
-    (SJF, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
+    (SJF, TOGETHER, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
+    # A (3 s) arrives at 0.1, C (2 s) at 0.2, B (1 s) at 0.9. SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7.
+    (SJF, SPREAD, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
+    # HRRN at 1: waits over S are A 0.9 / 3 = 0.3, C 0.8 / 2 = 0.4, B 0.1 / 1 = 0.1: C, 1 -> 3.
+    # At 3: A 2.9 / 3 = 0.97, B 2.1 / 1 = 2.1: B, 3 -> 4; then A, 4 -> 7.
+    (HRRN, SPREAD, [("R", 0.0), ("C", 1.0), ("B", 3.0), ("A", 4.0)]),
 ])
-def test_start_order_hand_computed(order, expected):
+def test_start_order_hand_computed(order, arrivals, expected):
     s, backend, done = one_worker(order)
     s.submit(req("R", 1000), 0.0)
-    for rid, n in (("A", 3000), ("B", 1000), ("C", 2000)):
-        s.submit(req(rid, n, 0.1), 0.1)
+    for rid, n, t in arrivals:
+        s.submit(req(rid, n, t), t)
     assert s.workers[0].queued_seconds == pytest.approx(6.0)
     run_out(s, backend, [expected[1][1], expected[2][1], expected[3][1]])
     assert starts(backend) == expected
     # the reservation falls by each started request's own estimate, whatever the order
     assert s.workers[0].queued_seconds == 0.0 and len(done) == 3
-
-
-@pytest.mark.parametrize("order, expected", [
-    # R (1 s) runs 0 -> 1; A (3 s) arrives at 0.1, C (2 s) at 0.2, B (1 s) at 0.9.
-    # SJF: B 1 -> 2, C 2 -> 4, A 4 -> 7.
-    (SJF, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
-    # HRRN at 1: waits over S are A 0.9 / 3 = 0.3, C 0.8 / 2 = 0.4, B 0.1 / 1 = 0.1: C, 1 -> 3.
-    # At 3: A 2.9 / 3 = 0.97, B 2.1 / 1 = 2.1: B, 3 -> 4; then A, 4 -> 7.
-    (HRRN, [("R", 0.0), ("C", 1.0), ("B", 3.0), ("A", 4.0)]),
-])
-def test_hrrn_start_order_hand_computed(order, expected):
-    s, backend, _ = one_worker(order)
-    s.submit(req("R", 1000), 0.0)
-    for rid, n, t in (("A", 3000, 0.1), ("C", 2000, 0.2), ("B", 1000, 0.9)):
-        s.submit(req(rid, n, t), t)
-    run_out(s, backend, [expected[1][1], expected[2][1], expected[3][1]])
-    assert starts(backend) == expected
 
 
 def test_hrrn_equal_ratios_start_in_placement_order():
