@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import MappingProxyType
 
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.composition import CompositionConfig
 from serving.policy.controller import ControllerConfig
-from serving.policy.queue_order import FCFS, QueueOrder
+from serving.policy.live_set import DEFAULT_HORIZON_S
+from serving.policy.queue_order import FCFS, SJF, QueueOrder
 from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.request import RequestRecord
 
@@ -33,9 +35,42 @@ class ClientDisconnected(RuntimeError):
     """The client went away while its request waited; nobody reads the answer."""
 
 
+# The named policies of the live pool: the `EngineConfig` fields each one sets (read-only).
+POLICIES = MappingProxyType({
+    # The simulator's default `vertumnus` (eval.systems.vertumnus_system) less its replayed
+    # initial choice, which needs a demand sample the live pool does not have at start: the
+    # what-if controller, live sets of DEFAULT_HORIZON_S (300 s), the congestion price, shortest
+    # predicted prefill first, and prefix fetch (the replay picks the fetch rule in 33 of the
+    # 48 cells of `python -m eval.paper`, eval/results/paper_results.json).
+    "vertumnus": MappingProxyType(dict(
+        controller_policy="whatif", live_horizon_s=DEFAULT_HORIZON_S, congestion_price=True,
+        queue_order=SJF, prefix_fetch=True)),
+    # The paper's policy (the simulator's `vertumnus-paper`, less its initial rule, which the
+    # live pool applies to every policy from --expected_rate): `EngineConfig`'s defaults.
+    "vertumnus-paper": MappingProxyType(dict(
+        controller_policy="paper", live_horizon_s=None, congestion_price=False,
+        queue_order=FCFS, prefix_fetch=False)),
+})
+
+
+def policy_parts(policy: str) -> dict[str, object]:
+    """The `EngineConfig` fields of a named policy (`POLICIES`), as a new dict.
+
+    Raises:
+      ValueError: `policy` is not one of `POLICIES` (the error names them).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    return dict(POLICIES[policy])
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the live pool (the serving binary's flags).
+
+    The defaults of the policy's parts (`live_horizon_s`, `congestion_price`, `queue_order`,
+    `prefix_fetch`, `controller_policy`) are the paper's; `EngineConfig.for_policy("vertumnus")`
+    gives the simulator's default policy, as the serving binary does (`--policy`).
 
     Attributes:
       block_size: tokens per KV block, a power of two.
@@ -122,6 +157,17 @@ class EngineConfig:
                              f"{self.kv_hold_seconds}")
         if not (math.isfinite(self.tick_seconds) and self.tick_seconds > 0):
             raise ValueError(f"tick_seconds must be > 0 seconds, got {self.tick_seconds}")
+
+    @classmethod
+    def for_policy(cls, policy: str, **fields) -> "EngineConfig":
+        """The config of a named policy (`POLICIES`: "vertumnus" or "vertumnus-paper"), with
+        `fields` set on top (a policy part given in `fields` replaces the policy's).
+
+        Raises:
+          ValueError: an unknown policy, or a field value outside its range (as the
+            constructor); TypeError: an unknown field.
+        """
+        return cls(**{**policy_parts(policy), **fields})
 
     def max_input_len(self, cp_degree: int) -> int:
         """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks

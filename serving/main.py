@@ -29,8 +29,9 @@ from absl import app, flags, logging
 
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.controller import ControllerConfig
-from serving.policy.queue_order import parse_queue_order
+from serving.policy.queue_order import FCFS, parse_queue_order
 from serving.engine import EngineConfig
+from serving.engine_config import POLICIES, policy_parts
 from serving.server import ServerConfig
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Built-in model with seeded random weights: tiny, "
@@ -59,42 +60,47 @@ _ROUTER = flags.DEFINE_string("router", None, "A router class 'module:Class' ins
 _BETA = flags.DEFINE_float("beta", 1.0, "Router weight of the cache-aware prefill time.",
                            lower_bound=0.0)
 _LAM = flags.DEFINE_float("lam", 1.0, "Router weight of the GPU-time cost.", lower_bound=0.0)
-_LIVE = flags.DEFINE_float("live_horizon_s", 0.0, "Seconds a placed request's blocks stay live "
-                           "for the router's eviction cost (serving.policy.live_set; the "
-                           "simulator's vertumnus uses 300); 0 = off, the paper's cost.",
+_POLICY = flags.DEFINE_enum(
+    "policy", "vertumnus", sorted(POLICIES), "The pool's policy: 'vertumnus', the simulator's "
+    "default less its replayed initial choice (the what-if split/merge controller, live sets "
+    "of 300 s, the congestion price, shortest predicted prefill first, prefix fetch), or "
+    "'vertumnus-paper', the paper's (threshold controller, its placement cost, FCFS). "
+    "--controller_policy, --live_horizon_s, --congestion_price, --queue_order and "
+    "--prefix_fetch, when given, replace the policy's part (serving.engine_config.POLICIES).")
+_LIVE = flags.DEFINE_float("live_horizon_s", None, "Seconds a placed request's blocks stay live "
+                           "for the router's eviction cost (serving.policy.live_set); 0 = off, "
+                           "the paper's cost. Default: --policy's (300 for vertumnus).",
                            lower_bound=0.0)
 _CONGESTION = flags.DEFINE_boolean(
-    "congestion_price", False, "Price the router's GPU time at --lam plus the backlog every "
+    "congestion_price", None, "Price the router's GPU time at --lam plus the backlog every "
     "worker carries: the requests queued on the least-queued worker, times the workers, per GPU "
-    "(serving.policy.cost_router; the simulator's vertumnus does); off = the paper's.")
+    "(serving.policy.cost_router); off = the paper's. Default: --policy's (on for vertumnus).")
 _QUEUE_ORDER = flags.DEFINE_string(
-    "queue_order", "fcfs", "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
-    "'sjf' (shortest predicted prefill first, the simulator's vertumnus), 'sjf:S' (SJF, but "
-    "the head of a queue, its earliest placed request, starts next once it has waited S seconds "
-    "since its arrival) or 'hrrn' (highest response ratio (wait + P) / P next, P the predicted "
-    "prefill: SJF's tail cut, at a higher mean); serving/policy/queue_order.py.")
+    "queue_order", None, "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
+    "'sjf' (shortest predicted prefill first), 'sjf:S' (SJF, but the head of a queue, its "
+    "earliest placed request, starts next once it has waited S seconds since its arrival) or "
+    "'hrrn' (highest response ratio (wait + P) / P next, P the predicted prefill: SJF's tail "
+    "cut, at a higher mean); serving/policy/queue_order.py. Default: --policy's (sjf for "
+    "vertumnus).")
 _PREFIX_FETCH = flags.DEFINE_boolean(
-    "prefix_fetch", False, "Let the router fetch for a request the longest prefix another "
-    "worker holds when that beats recomputing it (serving.policy.fetch_router; the simulator's "
-    "vertumnus does where its replay chose it); the prefill starts once the copy has ended "
-    "(normally landed). Off = no per-request fetch (each worker priced at its own prefix).")
-flags.register_multi_flags_validator(
-    ["router", "prefix_fetch"], lambda f: not (f["router"] and f["prefix_fetch"]),
-    message="--prefix_fetch sets Vertumnus's own router; it does not apply with --router")
-flags.register_multi_flags_validator(
-    ["router", "queue_order"], lambda f: not (f["router"] and f["queue_order"] != "fcfs"),
-    message="--queue_order sets Vertumnus's own router; it does not apply with --router")
-flags.register_multi_flags_validator(
-    ["router", "live_horizon_s"], lambda f: not (f["router"] and f["live_horizon_s"]),
-    message="--live_horizon_s sets Vertumnus's own router; it does not apply with --router")
-flags.register_multi_flags_validator(
-    ["router", "congestion_price"], lambda f: not (f["router"] and f["congestion_price"]),
-    message="--congestion_price sets Vertumnus's own router; it does not apply with --router")
+    "prefix_fetch", None, "Let the router fetch for a request the longest prefix another "
+    "worker holds when that beats recomputing it (serving.policy.fetch_router); the prefill "
+    "starts once the copy has ended (normally landed). Off = no per-request fetch (each worker "
+    "priced at its own prefix). Default: --policy's (on for vertumnus).")
+# The router's parts of a policy: a --router plug-in replaces them (the engine ignores them), so
+# turning one on beside it is refused (off, or left to --policy, is not).
+_ROUTER_PARTS = {"live_horizon_s": None, "congestion_price": False, "queue_order": FCFS,
+                 "prefix_fetch": False}
+for _name, _on in (("live_horizon_s", bool), ("congestion_price", bool), ("prefix_fetch", bool),
+                   ("queue_order", lambda v: v not in (None, "fcfs"))):
+    flags.register_multi_flags_validator(
+        ["router", _name], lambda f, n=_name, on=_on: not (f["router"] and on(f[n])),
+        message=f"--{_name} sets Vertumnus's own router; it does not apply with --router")
 _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge controller.")
 _CONTROLLER_POLICY = flags.DEFINE_enum(
-    "controller_policy", "paper", ["paper", "whatif"], "Which split/merge controller: the paper's "
-    "thresholds (--upper, --lower, ...) or the what-if controller of the simulator's default "
-    "vertumnus (serving/policy/composition.py).")
+    "controller_policy", None, ["paper", "whatif"], "Which split/merge controller: the paper's "
+    "thresholds (--upper, --lower, ...) or the what-if controller "
+    "(serving/policy/composition.py). Default: --policy's (whatif for vertumnus).")
 _UPPER = flags.DEFINE_float("upper", 0.85, "Controller: split above this load.")
 _LOWER = flags.DEFINE_float("lower", 0.35, "Controller: merge below this load.")
 _HOLD = flags.DEFINE_float("hold_s", 10.0, "Controller: seconds a condition must hold.")
@@ -191,6 +197,35 @@ def api_key(flag: str | None, path: str | None, env_var: str) -> str | None:
     return key
 
 
+def policy_flags() -> dict[str, object]:
+    """The `EngineConfig` fields of the policy: `--policy`'s parts, each replaced by its flag
+    when given; with `--router`, the router's parts are the paper's (the plug-in is the
+    router: the engine does not read them). Raises ValueError: a bad --queue_order."""
+    parts = policy_parts(_POLICY.value)
+    if _ROUTER.value:
+        parts.update(_ROUTER_PARTS)
+    if _LIVE.value is not None:
+        parts["live_horizon_s"] = _LIVE.value or None  # 0 = off
+    if _QUEUE_ORDER.value is not None:
+        parts["queue_order"] = parse_queue_order(_QUEUE_ORDER.value)
+    for name, flag in (("congestion_price", _CONGESTION), ("prefix_fetch", _PREFIX_FETCH),
+                       ("controller_policy", _CONTROLLER_POLICY)):
+        if flag.value is not None:
+            parts[name] = flag.value
+    return parts
+
+
+def describe_policy(engine: EngineConfig) -> str:
+    """One line naming the policy's parts, for the start-up log."""
+    order = engine.queue_order
+    wait = "" if order.max_wait_s is None else f":{order.max_wait_s:g}"
+    live = f"live sets of {engine.live_horizon_s:g} s" if engine.live_horizon_s else "no live sets"
+    on = {True: "on", False: "off"}
+    return (f"{engine.controller_policy} controller{'' if engine.controller else ' (off)'}, "
+            f"{live}, congestion price {on[engine.congestion_price]}, queue order "
+            f"{order.kind}{wait}, prefix fetch {on[engine.prefix_fetch]}")
+
+
 def server_config() -> ServerConfig:
     """The `ServerConfig` the flags describe (raises `app.UsageError` on a bad value)."""
     comp = None if _COMPOSITION.value == "auto" else _ints(_COMPOSITION.value.split(","),
@@ -201,12 +236,10 @@ def server_config() -> ServerConfig:
                                cooldown_s=_COOLDOWN.value, window_s=_WINDOW.value,
                                long_threshold=_LONG.value)
         engine = EngineConfig(
+            **policy_flags(),
             block_size=_BLOCK_SIZE.value, kv_blocks_per_device=_KV_BLOCKS.value,
             max_model_len=_MAX_LEN.value, beta=_BETA.value, lam=_LAM.value,
-            live_horizon_s=_LIVE.value or None, congestion_price=_CONGESTION.value,
-            queue_order=parse_queue_order(_QUEUE_ORDER.value), prefix_fetch=_PREFIX_FETCH.value,
             controller=_CONTROLLER.value, controller_config=ctl,
-            controller_policy=_CONTROLLER_POLICY.value,
             cache_manager=_CACHE_MANAGER.value,
             cache_config=CacheManagerConfig(scan_interval_s=_SCAN.value),
             tick_seconds=_TICK.value, max_in_flight=_MAX_IN_FLIGHT.value,
@@ -263,6 +296,8 @@ def main(argv):
         sys.exit(f"error: {e}")
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
                  _HOST.value, _PORT.value, application.state.engine.num_devices)
+    logging.info("policy %s%s: %s", _POLICY.value, f" with router {_ROUTER.value}" if _ROUTER.value
+                 else "", describe_policy(config.engine))
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
     server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
                                            log_level=_LOG_LEVEL.value),

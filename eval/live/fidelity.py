@@ -4,8 +4,9 @@
 
 1. Measure a prefill profile on the serving devices (`python -m vertumnus_jax.profile`), unless
    `--profile` names one.
-2. Start the server (`python -m serving.main`) with that profile, a fixed composition and the
-   controller and cache manager off (so both sides run the same fixed pool), warm it up with
+2. Start the server (`python -m serving.main`) with that profile, a fixed composition, the
+   controller and cache manager off and the paper's placement cost, FCFS and no fetch
+   (`--policy=vertumnus-paper`; so both sides run the same fixed pool and router), warm it up with
    the same workload (compiles the prefill buckets it needs) and empty its prefix cache
    (`/reset_prefix_cache`), then replay the workload with
    `eval.live.loadgen` and keep the TTFT the *server* measured (arrival at the engine to first
@@ -89,7 +90,7 @@ def main(argv):
                     f"--block_size={_BLOCK_SIZE.value} --kv_blocks_per_device={_KV_BLOCKS.value} "
                     f"--max_model_len={_MAX_LEN.value} --num_devices={sum(comp)} "
                     f"--degrees={','.join(map(str, sorted(set(comp))))} "
-                    "--log_level=warning")
+                    "--policy=vertumnus-paper --log_level=warning")  # the sim's router below
     admin = {"Authorization": "Bearer fidelity"}
     with launched_server(server_flags + " --admin_api_key=fidelity", url):
         # Warm-up: the same requests (so the same prefill buckets compile), then an empty cache.

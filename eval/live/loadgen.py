@@ -122,9 +122,10 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port of the server (launched or runn
 _LAUNCH = flags.DEFINE_bool("launch_server", False, "Start `python -m serving.main --port=<--port> "
                             "<--server_flags>` for the run and stop it afterwards.")
 _SERVER_FLAGS = flags.DEFINE_string(
-    "server_flags", "--composition=2,2,2,2 --log_level=warning",
-    "Flags of the launched server. The default starts from four CP-2 workers so that the "
-    "controller's merges under this light load show in the run.")
+    "server_flags", "--log_level=warning",
+    "Flags of the launched server (default: the binary's own defaults, quieter). E.g. "
+    "'--composition=2,2,2,2 --policy=vertumnus-paper' shows the paper's controller merging "
+    "four CP-2 workers under this light load.")
 _TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
                              "Tool-Agent workload.")
 _FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],

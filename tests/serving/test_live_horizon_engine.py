@@ -48,7 +48,7 @@ def test_live_engine_prices_congestion_when_asked():
         assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
     client, engine = make_client()
     with client:
-        assert not engine._router.congestion_price  # the live default: the paper's lambda
+        assert not engine._router.congestion_price  # EngineConfig's default: the paper's lambda
 
 
 def test_live_engine_starts_queued_prefills_in_the_configured_order():
@@ -61,7 +61,7 @@ def test_live_engine_starts_queued_prefills_in_the_configured_order():
         assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200
     client, engine = make_client()
     with client:
-        assert engine.scheduler.queue_order == FCFS  # the live default: the paper's order
+        assert engine.scheduler.queue_order == FCFS  # EngineConfig's default: the paper's order
 
 
 def test_live_engine_fetches_prefixes_when_asked():
@@ -91,7 +91,7 @@ def test_live_engine_fetches_prefixes_when_asked():
             (first["worker_id"], again["worker_id"], 4, "request-transfer")]
     client, engine = make_client()
     with client:
-        assert not isinstance(engine._router, FetchingVertumnusRouter)  # the live default
+        assert not isinstance(engine._router, FetchingVertumnusRouter)  # EngineConfig's default
 
 
 def test_prefix_fetch_needs_the_models_kv_bytes():

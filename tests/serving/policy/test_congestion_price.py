@@ -87,7 +87,7 @@ def test_the_default_system_prices_congestion_and_the_papers_does_not():
 
 def test_engine_config_and_flag_take_the_congestion_price():
     from serving.engine_config import EngineConfig
-    assert not EngineConfig().congestion_price  # the live default stays the paper's cost
+    assert not EngineConfig().congestion_price  # EngineConfig's default: the paper's cost
     assert EngineConfig(congestion_price=True).congestion_price
 
 

@@ -144,7 +144,7 @@ def test_victim_reuse_rate_of_sessions_and_of_one_off_prompts(kv_blocks_per_devi
 
 def test_engine_config_takes_a_horizon_or_none():
     from serving.engine_config import EngineConfig
-    assert EngineConfig().live_horizon_s is None  # the live default stays the paper's cost
+    assert EngineConfig().live_horizon_s is None  # EngineConfig's default: the paper's cost
     assert EngineConfig(live_horizon_s=300.0).live_horizon_s == 300.0
     for bad in (0.0, -5.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="live_horizon_s must be None or a finite number > 0"):
