@@ -243,8 +243,10 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         if not 0 <= reconfigurations <= RECONFIG_LOG_LIMIT:
             raise ApiError(400, f"reconfigurations must be in [0, {RECONFIG_LOG_LIMIT}], got "
                                 f"{reconfigurations}", "reconfigurations")
-        s = engine.scheduler
+        s, cfg = engine.scheduler, engine.config
         return {"composition": s.composition, "epoch": s.epoch, "workers": engine.workers(),
+                "policy": {"name": cfg.policy, "description": cfg.describe_policy(),
+                           "router": type(s.router).__name__},
                 "reconfigurations_in_progress": [
                     {"epoch": r.epoch, "kind": r.kind, "old": list(r.old_ids),
                      "new": [x.worker_id for x in r.new_specs]}

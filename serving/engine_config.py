@@ -169,6 +169,21 @@ class EngineConfig:
         """
         return cls(**{**policy_parts(policy), **fields})
 
+    @property
+    def policy(self) -> str:
+        """The name of the policy (`POLICIES`) whose parts this config has, or "custom"."""
+        return next((name for name, parts in POLICIES.items()
+                     if all(getattr(self, k) == v for k, v in parts.items())), "custom")
+
+    def describe_policy(self) -> str:
+        """One line naming the policy's parts (the binary's start-up log, `GET /v1/workers`)."""
+        order, on = self.queue_order, {True: "on", False: "off"}
+        wait = "" if order.max_wait_s is None else f":{order.max_wait_s:g}"
+        live = f"live sets of {self.live_horizon_s:g} s" if self.live_horizon_s else "no live sets"
+        return (f"{self.controller_policy} controller{'' if self.controller else ' (off)'}, "
+                f"{live}, congestion price {on[self.congestion_price]}, queue order "
+                f"{order.kind}{wait}, prefix fetch {on[self.prefix_fetch]}")
+
     def max_input_len(self, cp_degree: int) -> int:
         """Longest prompt a worker of degree C takes: the model's limit, and its KV blocks
         (`C * kv_blocks_per_device * block_size` tokens)."""

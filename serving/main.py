@@ -56,7 +56,11 @@ _PROFILE = flags.DEFINE_string("profile", None, "Prefill profile CSV (cp,input_l
                                "seconds) for the router's cost model; default: the built-in "
                                "CPU profile of the tiny model (vertumnus_jax.profile makes one).")
 _ROUTER = flags.DEFINE_string("router", None, "A router class 'module:Class' instead of "
-                              "Vertumnus's placement-cost router (the plug-ins eval.replay takes).")
+                              "Vertumnus's placement-cost router (the plug-ins eval.replay takes). "
+                              "The router's parts of --policy (live sets, congestion price, queue "
+                              "order, prefix fetch) then do not apply: queues start in the "
+                              "plug-in's queue_order, FCFS if it has none; the controller stays "
+                              "--policy's.")
 _BETA = flags.DEFINE_float("beta", 1.0, "Router weight of the cache-aware prefill time.",
                            lower_bound=0.0)
 _LAM = flags.DEFINE_float("lam", 1.0, "Router weight of the GPU-time cost.", lower_bound=0.0)
@@ -69,24 +73,27 @@ _POLICY = flags.DEFINE_enum(
     "--prefix_fetch, when given, replace the policy's part (serving.engine_config.POLICIES).")
 _LIVE = flags.DEFINE_float("live_horizon_s", None, "Seconds a placed request's blocks stay live "
                            "for the router's eviction cost (serving.policy.live_set); 0 = off, "
-                           "the paper's cost. Default: --policy's (300 for vertumnus).",
+                           "the paper's cost. Default: --policy's (300 for vertumnus, 0 for "
+                           "vertumnus-paper).",
                            lower_bound=0.0)
 _CONGESTION = flags.DEFINE_boolean(
     "congestion_price", None, "Price the router's GPU time at --lam plus the backlog every "
     "worker carries: the requests queued on the least-queued worker, times the workers, per GPU "
-    "(serving.policy.cost_router); off = the paper's. Default: --policy's (on for vertumnus).")
+    "(serving.policy.cost_router); off = the paper's. Default: --policy's (on for vertumnus, "
+    "off for vertumnus-paper).")
 _QUEUE_ORDER = flags.DEFINE_string(
     "queue_order", None, "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
     "'sjf' (shortest predicted prefill first), 'sjf:S' (SJF, but the head of a queue, its "
     "earliest placed request, starts next once it has waited S seconds since its arrival) or "
     "'hrrn' (highest response ratio (wait + P) / P next, P the predicted prefill: SJF's tail "
     "cut, at a higher mean); serving/policy/queue_order.py. Default: --policy's (sjf for "
-    "vertumnus).")
+    "vertumnus, fcfs for vertumnus-paper).")
 _PREFIX_FETCH = flags.DEFINE_boolean(
     "prefix_fetch", None, "Let the router fetch for a request the longest prefix another "
     "worker holds when that beats recomputing it (serving.policy.fetch_router); the prefill "
     "starts once the copy has ended (normally landed). Off = no per-request fetch (each worker "
-    "priced at its own prefix). Default: --policy's (on for vertumnus).")
+    "priced at its own prefix). Default: --policy's (on for vertumnus, off for "
+    "vertumnus-paper).")
 # The router's parts of a policy: a --router plug-in replaces them (the engine ignores them), so
 # turning one on beside it is refused (off, or left to --policy, is not).
 _ROUTER_PARTS = {"live_horizon_s": None, "congestion_price": False, "queue_order": FCFS,
@@ -100,13 +107,20 @@ _CONTROLLER = flags.DEFINE_boolean("controller", True, "Run the split/merge cont
 _CONTROLLER_POLICY = flags.DEFINE_enum(
     "controller_policy", None, ["paper", "whatif"], "Which split/merge controller: the paper's "
     "thresholds (--upper, --lower, ...) or the what-if controller "
-    "(serving/policy/composition.py). Default: --policy's (whatif for vertumnus).")
-_UPPER = flags.DEFINE_float("upper", 0.85, "Controller: split above this load.")
-_LOWER = flags.DEFINE_float("lower", 0.35, "Controller: merge below this load.")
-_HOLD = flags.DEFINE_float("hold_s", 10.0, "Controller: seconds a condition must hold.")
-_COOLDOWN = flags.DEFINE_float("cooldown_s", 10.0, "Controller: seconds between operations.")
-_WINDOW = flags.DEFINE_float("window_s", 30.0, "Controller: demand smoothing window (s).")
-_LONG = flags.DEFINE_integer("long_threshold", 1024, "Controller: a 'long' prompt (tokens).")
+    "(serving/policy/composition.py; its knobs are CompositionConfig's defaults: a 30 s "
+    "interval, a 60 s window and cooldown). Default: --policy's (whatif for vertumnus, paper "
+    "for vertumnus-paper).")
+_UPPER = flags.DEFINE_float("upper", 0.85, "The paper's controller (--controller_policy=paper): "
+                            "split above this load.")
+_LOWER = flags.DEFINE_float("lower", 0.35, "The paper's controller: merge below this load.")
+_HOLD = flags.DEFINE_float("hold_s", 10.0, "The paper's controller: seconds a "
+                           "condition must hold.")
+_COOLDOWN = flags.DEFINE_float("cooldown_s", 10.0, "The paper's controller: seconds "
+                               "between operations.")
+_WINDOW = flags.DEFINE_float("window_s", 30.0, "The paper's controller: demand "
+                             "smoothing window (s).")
+_LONG = flags.DEFINE_integer("long_threshold", 1024, "The paper's controller: a 'long' "
+                             "prompt (tokens).")
 _CACHE_MANAGER = flags.DEFINE_boolean("cache_manager", True, "Run the prefix-cache manager.")
 _SCAN = flags.DEFINE_float("scan_interval_s", 5.0, "Prefix trie scan interval (seconds).")
 _KV_BLOCKS = flags.DEFINE_integer("kv_blocks_per_device", 256, "KV blocks per device.",
@@ -215,17 +229,6 @@ def policy_flags() -> dict[str, object]:
     return parts
 
 
-def describe_policy(engine: EngineConfig) -> str:
-    """One line naming the policy's parts, for the start-up log."""
-    order = engine.queue_order
-    wait = "" if order.max_wait_s is None else f":{order.max_wait_s:g}"
-    live = f"live sets of {engine.live_horizon_s:g} s" if engine.live_horizon_s else "no live sets"
-    on = {True: "on", False: "off"}
-    return (f"{engine.controller_policy} controller{'' if engine.controller else ' (off)'}, "
-            f"{live}, congestion price {on[engine.congestion_price]}, queue order "
-            f"{order.kind}{wait}, prefix fetch {on[engine.prefix_fetch]}")
-
-
 def server_config() -> ServerConfig:
     """The `ServerConfig` the flags describe (raises `app.UsageError` on a bad value)."""
     comp = None if _COMPOSITION.value == "auto" else _ints(_COMPOSITION.value.split(","),
@@ -296,8 +299,8 @@ def main(argv):
         sys.exit(f"error: {e}")
     logging.info("serving %s on http://%s:%d (%d devices)", config.checkpoint or config.model,
                  _HOST.value, _PORT.value, application.state.engine.num_devices)
-    logging.info("policy %s%s: %s", _POLICY.value, f" with router {_ROUTER.value}" if _ROUTER.value
-                 else "", describe_policy(config.engine))
+    logging.info("policy %s%s: %s", config.engine.policy, f" with router {_ROUTER.value}"
+                 if _ROUTER.value else "", config.engine.describe_policy())
     pylogging.getLogger("uvicorn").setLevel(_LOG_LEVEL.value.upper())
     server = GracefulServer(uvicorn.Config(application, host=_HOST.value, port=_PORT.value,
                                            log_level=_LOG_LEVEL.value),

@@ -43,7 +43,8 @@ existing `--result_filename` is refused before the run). Keys:
 - the loadgen's own: `eval.metrics.summarize`'s (`slo_attainment` etc., TTFT counted from the
   scheduled arrival; with `openai` the server-side `gpu_seconds`, `mean_queue_ms`,
   `mean_prefill_ms` are None, and the cache keys too unless the server reports cached tokens),
-  `system`, `trace`, `max_send_lag_s`, `tokens_per_block`; with our backend `composition`,
+  `system`, `trace`, `max_send_lag_s`, `tokens_per_block`; with our backend `policy` (name,
+  description and router class, from `GET /v1/workers`), `composition`,
   `reconfigurations`, `warmup_reconfigurations`, `measured_executables_created`,
   `mean_server_ttft_ms`; closed-loop runs `replay`, `session_rate`, `sessions_started`,
   `unsent_requests`, `tpot_ms`, `max_think_time_s`;
@@ -123,9 +124,10 @@ _LAUNCH = flags.DEFINE_bool("launch_server", False, "Start `python -m serving.ma
                             "<--server_flags>` for the run and stop it afterwards.")
 _SERVER_FLAGS = flags.DEFINE_string(
     "server_flags", "--log_level=warning",
-    "Flags of the launched server (default: the binary's own defaults, quieter). E.g. "
-    "'--composition=2,2,2,2 --policy=vertumnus-paper' shows the paper's controller merging "
-    "four CP-2 workers under this light load.")
+    "Flags of the launched server (default: the binary's own defaults, quieter). They replace "
+    "the default, so keep --log_level=warning in them for a quiet run: e.g. "
+    "'--composition=2,2,2,2 --policy=vertumnus-paper --log_level=warning' shows the paper's "
+    "controller merging four CP-2 workers under this light load.")
 _TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
                              "Tool-Agent workload.")
 _FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
@@ -200,8 +202,12 @@ def _warm_up(url: str, headers: dict | None, scale: PromptScale, block: int,
 
 
 def _print_pool(result: dict, composition: list[int]) -> None:
-    """Our backend: the composition changes and the measured compilations."""
-    print(f"\ncomposition at the end: {composition}")
+    """Our backend: the policy, the composition changes and the measured compilations."""
+    print()
+    policy = result.get("policy")
+    if policy:  # (a server before `policy` was listed in /v1/workers: not printed)
+        print(f"policy: {policy['name']} ({policy['description']}; router {policy['router']})")
+    print(f"composition at the end: {composition}")
     for title, key in (("during the warm-up", "warmup_reconfigurations"),
                        ("during the measured run", "reconfigurations")):
         print(f"splits and merges {title}:" + ("" if result[key] else " none"))
@@ -323,7 +329,8 @@ def main(argv):
         total = state.get("reconfigurations_total", len(recs))
         split = max(0, start.finished - (total - len(recs)))
         result.update(
-            composition=state["composition"], warmup_reconfigurations=recs[:split],
+            policy=state.get("policy"), composition=state["composition"],
+            warmup_reconfigurations=recs[:split],
             # executables the measured window had to create (each one stalled its worker on a
             # cold compilation cache); None when a split or merge changed the workers meanwhile
             measured_executables_created=(measured_compiled if total == start.finished else None),

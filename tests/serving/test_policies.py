@@ -65,8 +65,7 @@ def _parsed(argv):
     fv = flags.FLAGS
     try:
         fv(["serving.main", *argv])
-        return main.policy_flags(), main.describe_policy(
-            EngineConfig(**main.policy_flags()))
+        return main.policy_flags(), EngineConfig(**main.policy_flags()).describe_policy()
     finally:
         fv.unparse_flags()
 
@@ -116,3 +115,22 @@ def test_the_live_engine_serves_under_the_full_vertumnus_policy():
         first = client.post("/v1/completions", json={"prompt": ids}).json()
         again = client.post("/v1/completions", json={"prompt": ids}).json()
         assert first["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"] == len(ids)
+        assert client.get("/v1/workers").json()["policy"] == {
+            "name": "vertumnus", "router": "FetchingVertumnusRouter",
+            "description": "whatif controller, live sets of 300 s, congestion price on, queue "
+                           "order sjf, prefix fetch on"}
+    client, engine = make_client()  # the paper's parts, controller off
+    with client:
+        assert client.get("/v1/workers").json()["policy"] == {
+            "name": "vertumnus-paper", "router": "VertumnusRouter",
+            "description": "paper controller (off), no live sets, congestion price off, queue "
+                           "order fcfs, prefix fetch off"}
+
+
+def test_a_config_is_named_by_the_policy_whose_parts_it_has():
+    assert EngineConfig().policy == "vertumnus-paper"
+    assert EngineConfig.for_policy("vertumnus", block_size=64).policy == "vertumnus"
+    assert EngineConfig.for_policy("vertumnus", prefix_fetch=False).policy == "custom"
+    assert EngineConfig(queue_order=QueueOrder("sjf", 2.0)).describe_policy() == (
+        "paper controller, no live sets, congestion price off, queue order sjf:2, "
+        "prefix fetch off")

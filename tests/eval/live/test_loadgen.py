@@ -144,6 +144,10 @@ def test_cli_warms_up_until_quiet_and_reports_measured_compilations(server_url, 
     assert result["output_lens"] == [1] * n and result["errors"] == [""] * n
     assert result["mean_ttft_ms"] == pytest.approx(1e3 * sum(result["ttfts"]) / n)
     assert result["settings"]["warmup_rounds"] == 4 and result["composition"]
+    policy = httpx.get(f"{url}/v1/workers", timeout=10).json()["policy"]
+    assert result["policy"] == policy and policy["name"] == engine.config.policy
+    assert (f"policy: {policy['name']} ({policy['description']}; router "
+            f"{policy['router']})") in proc.stdout
     assert result["measured_executables_created"] >= 0
     assert (f"prefill executables created during the measured run: "
             f"{result['measured_executables_created']}") in proc.stdout
