@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from numbers import Real
 from types import MappingProxyType
 
 from serving.policy.cache_manager import CacheManagerConfig
@@ -59,7 +60,7 @@ def policy_parts(policy: str) -> dict[str, object]:
     Raises:
       ValueError: `policy` is not one of `POLICIES` (the error names them).
     """
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     return dict(POLICIES[policy])
 
@@ -140,8 +141,9 @@ class EngineConfig:
         for name in ("beta", "lam"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if self.live_horizon_s is not None and not (
-                math.isfinite(self.live_horizon_s) and self.live_horizon_s > 0):
+        if self.live_horizon_s is not None and (
+                isinstance(self.live_horizon_s, bool) or not isinstance(self.live_horizon_s, Real)
+                or not (math.isfinite(self.live_horizon_s) and self.live_horizon_s > 0)):
             raise ValueError(f"live_horizon_s must be None or a finite number > 0 seconds, got "
                              f"{self.live_horizon_s}")
         for name in ("congestion_price", "prefix_fetch"):

@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 from mesh import DevicePool, ParamReplicas, worker_mesh
+from serving.background_errors import BackgroundErrors
 from serving.kv_handoff import KVHandOff
 from serving.kv_hold import KVHolds
 from serving.policy.backend import PrefillResult
 from serving.policy.request import Request
 from vertumnus_jax import OutOfBlocksError, Worker, prefill_request, release_request
 from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,7 @@ class LiveBackend:
         self._recarver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recarve")
         self._hold_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-hold")
         self.prefills: dict[str | int, LivePrefill] = {}
-        self.errors: list[str] = []  # failures of background operations, for logs and tests
+        self.errors = BackgroundErrors(_log)  # failures of background operations (logged)
         self._closed = False
         self.handoff = KVHandOff(KVHolds(kv_hold_seconds), self.workers, self._locks, clock)
         self._expiring: concurrent.futures.Future | None = None

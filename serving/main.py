@@ -86,8 +86,9 @@ _QUEUE_ORDER = flags.DEFINE_string(
     "'sjf' (shortest predicted prefill first), 'sjf:S' (SJF, but the head of a queue, its "
     "earliest placed request, starts next once it has waited S seconds since its arrival) or "
     "'hrrn' (highest response ratio (wait + P) / P next, P the predicted prefill: SJF's tail "
-    "cut, at a higher mean); serving/policy/queue_order.py. Default: --policy's (sjf for "
-    "vertumnus, fcfs for vertumnus-paper).")
+    "cut, at a higher mean); serving/policy/queue_order.py. Plain sjf sets no bound: under "
+    "sustained overload a long prompt waits as long as shorter ones keep coming. Default: "
+    "--policy's (sjf for vertumnus, fcfs for vertumnus-paper).")
 _PREFIX_FETCH = flags.DEFINE_boolean(
     "prefix_fetch", None, "Let the router fetch for a request the longest prefix another "
     "worker holds when that beats recomputing it (serving.policy.fetch_router); the prefill "
@@ -121,6 +122,8 @@ _WINDOW = flags.DEFINE_float("window_s", 30.0, "The paper's controller: demand "
                              "smoothing window (s).")
 _LONG = flags.DEFINE_integer("long_threshold", 1024, "The paper's controller: a 'long' "
                              "prompt (tokens).")
+# The paper's controller's knobs: refused with the what-if controller, which does not read them.
+_PAPER_CONTROLLER = (_UPPER, _LOWER, _HOLD, _COOLDOWN, _WINDOW, _LONG)
 _CACHE_MANAGER = flags.DEFINE_boolean("cache_manager", True, "Run the prefix-cache manager.")
 _SCAN = flags.DEFINE_float("scan_interval_s", 5.0, "Prefix trie scan interval (seconds).")
 _KV_BLOCKS = flags.DEFINE_integer("kv_blocks_per_device", 256, "KV blocks per device.",
@@ -214,7 +217,8 @@ def api_key(flag: str | None, path: str | None, env_var: str) -> str | None:
 def policy_flags() -> dict[str, object]:
     """The `EngineConfig` fields of the policy: `--policy`'s parts, each replaced by its flag
     when given; with `--router`, the router's parts are the paper's (the plug-in is the
-    router: the engine does not read them). Raises ValueError: a bad --queue_order."""
+    router: the engine does not read them). Raises ValueError: a bad --queue_order, or a knob
+    of the paper's controller (--upper, ...) given with the what-if controller."""
     parts = policy_parts(_POLICY.value)
     if _ROUTER.value:
         parts.update(_ROUTER_PARTS)
@@ -226,6 +230,12 @@ def policy_flags() -> dict[str, object]:
                        ("controller_policy", _CONTROLLER_POLICY)):
         if flag.value is not None:
             parts[name] = flag.value
+    given = [f"--{f.name}" for f in _PAPER_CONTROLLER if f.present]
+    if given and parts["controller_policy"] != "paper":
+        verb = "tunes" if len(given) == 1 else "tune"
+        raise ValueError(f"{', '.join(given)} {verb} the paper's controller; the what-if "
+                         "controller of this policy does not read them (add "
+                         "--controller_policy=paper, or drop them)")
     return parts
 
 

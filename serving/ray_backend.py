@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from serving.background_errors import BackgroundErrors
 from serving.fetch_wait import FetchWaits
 from serving.kv_hold import KVHolds
 from serving.live_backend import LivePrefill
@@ -79,7 +80,7 @@ class RayBackend:
         self.scheduler = None
         self.workers: dict[int, RemoteWorker] = {}
         self.prefills: dict = {}
-        self.errors: list[str] = []
+        self.errors = BackgroundErrors(_log)  # failures of background operations (logged)
         self._running: dict[object, int] = {}  # request id -> worker id, while on an agent
         self.dispatch_log: collections.deque = collections.deque(maxlen=10_000)
         self.handoff = RemoteHandOff(KVHolds(kv_hold_seconds), self)

@@ -20,11 +20,16 @@ split costs in cached context (a re-carved cache, workers each able to keep fewe
 contexts): when the pool's reused live working set (the router's, `serving.policy.live_set`,
 `kv_pressure`) is at least its KV capacity, the caches and not the compute bind the pool, and
 no split is made (on the agent sessions the splits made there cost +69 % mean TTFT;
-eval/RESULTS.md). The best candidate is made only when its predicted
-mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
-change at a time, then `cooldown_s`, and no change undoes the previous one (a merge after a
-split, or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
-compared and their predicted mean TTFT, whether a change was made and why.
+eval/RESULTS.md). The best candidate is made only when its predicted mean TTFT is below stay's
+by at least `min_gain` (relative) and `min_gain_s` (absolute); one change at a time, then
+`cooldown_s`, and no change undoes the previous one (a merge after a split, or the reverse)
+within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in
+`decisions`: the candidates compared and their predicted mean TTFT, whether a change was made
+and why.
+
+A prompt no worker holds is refused and never reaches the window: when one is submitted (one a
+worker of `max_degree` would hold), the next evaluations first make the merge making the largest
+worker, a step at a time, until a worker holds it.
 
 This replaces the threshold rules of `serving.policy.controller.ReconfigurationController`
 (the paper's, kept for `vertumnus-paper`), whose load signal weighed every arrival at the
@@ -100,11 +105,10 @@ class CompositionController:
       longest: the longest prompt expected (tokens; e.g. from historical demand), so a worker
         able to hold it is kept before such a prompt is seen.
 
-    Use: `controller.attach(scheduler)` registers its placement and tick hooks. `decisions`
-    logs every evaluation (time, candidates with predicted mean TTFT, the choice, the reason).
-    It plans with the workers the pool has (after `Scheduler.lose_workers`, the GPUs left); a
-    merge never makes a worker span hosts (`are_buddies` needs one host, and degrees are
-    capped at `host_degree_cap`, the most one host holds).
+    Use: `controller.attach(scheduler)` registers its placement, submit and tick hooks;
+    `decisions` logs every evaluation (time, candidates with predicted mean TTFT, the choice,
+    the reason). It plans with the workers the pool has (after `Scheduler.lose_workers`); a
+    merge never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
     """
 
     def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int],
@@ -119,10 +123,12 @@ class CompositionController:
         # the longest prompt seen or expected (historical demand): a split never leaves no
         # worker able to hold it
         self.longest = longest
+        self._unheld: Request | None = None  # the longest prompt submitted no worker held
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
         scheduler.placement_hooks.append(self.observe)
+        scheduler.submit_hooks.append(self.submitted)
         scheduler.tick_hooks.append(self.tick)
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
@@ -132,6 +138,13 @@ class CompositionController:
             self.longest = request.input_len
         if len(self._samples) > 4 * self.config.max_samples:
             self._samples.popleft()
+
+    def submitted(self, request: Request, now: float) -> None:
+        """Notes a prompt no worker holds but one of `max_degree` would (module doc)."""
+        n = request.input_len  # (a worker holds `longest`, seen: splits keep one)
+        if n > self.longest and n <= self.max_input_len(self.config.max_degree) and not any(
+                w.can_hold(request) for w in self._scheduler.workers.values()):
+            self._unheld, self.longest = request, n
 
     def tick(self, scheduler, now: float) -> None:
         """Evaluates the candidates every `interval_s` and makes at most one change."""
@@ -144,12 +157,13 @@ class CompositionController:
         samples = self._samples
         while samples and samples[0][0] <= now - cfg.window_s:
             samples.popleft()
-        if not samples:
+        hold = self._hold_step(scheduler, now)
+        if not samples and hold is None:
             return
         recent = list(samples)[-cfg.max_samples:]
-        t0 = recent[0][0]
+        t0 = recent[0][0] if recent else now
         sample = [(t - t0, n, h) for t, n, h in recent]  # replayed from now on
-        op, figures = self._best(scheduler, now, sample)
+        op, figures = hold if hold is not None else self._best(scheduler, now, sample)
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0]}
         if op is not None:
@@ -161,24 +175,48 @@ class CompositionController:
             self._last = (rec.kind, now)
             entry.update(kind=rec.kind, old=list(rec.old_ids),
                          new=[s.worker_id for s in rec.new_specs], epoch=rec.epoch,
-                         reason=f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
-                                f"{figures[0][1] * 1e3:.1f} ms staying")
+                         reason="no worker holds a prompt refused" if hold
+                         else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
+                              f"{figures[0][1] * 1e3:.1f} ms staying")
         else:
             entry["reason"] = "no candidate beats staying by the margin"
         self.decisions.append(entry)
 
     # ------------------------------------------------------------------------- candidates
+    def _degrees(self, scheduler, active: Sequence[WorkerState]) -> list[int]:
+        """Degrees a change may make (allowed, predicted, within one host) and those in use."""
+        cfg = self.config
+        known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
+        top = min(cfg.max_degree, host_degree_cap(w.spec for w in active))  # inside one host
+        return sorted({w.cp_degree for w in active} | {
+            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= top
+            and (known is None or c in known)})
+
+    def _hold_step(self, scheduler, now: float):
+        """`(op, figures)` of the merge making the largest worker while no worker holds the
+        longest prompt refused (module doc), else None (also when no merge is possible)."""
+        workers, r = scheduler.workers.values(), self._unheld
+        active = [w for w in workers if w.status is WorkerStatus.ACTIVE]
+        if r is None or not active or len(active) != len(workers):
+            return None
+        if any(w.can_hold(r) for w in active):
+            self._unheld = None
+            return None
+        merges = [(olds, news) for olds, news in self._changes(
+            active, now, set(self._degrees(scheduler, active))) if len(news) < len(olds)]
+        if not merges:
+            return None
+        olds, news = max(merges, key=lambda m: m[1][0])
+        label = f"merge {[w.worker_id for w in olds]} (to hold {r.input_len} tokens)"
+        return self._op(scheduler, olds, news), [("stay", float("nan")), (label, float("nan"))]
+
     def _best(self, scheduler, now: float, sample: list[Sample]):
         """`(op or None, [(label, predicted mean TTFT s), ...])`: stay first, then the best."""
         cfg = self.config
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if not active or len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))]
-        known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
-        top = min(cfg.max_degree, host_degree_cap(w.spec for w in active))  # inside one host
-        degrees = sorted({w.cp_degree for w in active} | {
-            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= top
-            and (known is None or c in known)})
+        degrees = self._degrees(scheduler, active)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
@@ -355,9 +393,8 @@ def _load(degrees: Sequence[int], window: Window) -> float:
 
 
 def _steps(a: Sequence[int], b: Sequence[int]) -> int:
-    """Splits and merges from composition `a` to `b` of the same GPUs, estimated as the change
-    in worker count (each split adds one worker, each merge removes one; exact when one
-    composition refines the other), at least 1 when they differ."""
+    """Splits and merges from `a` to `b` (same GPUs): the change in worker count (exact when one
+    refines the other), at least 1 when they differ."""
     if sorted(a) == sorted(b):
         return 0
     return max(1, abs(len(a) - len(b)))

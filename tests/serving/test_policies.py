@@ -51,8 +51,11 @@ def test_the_paper_policy_is_engine_configs_defaults_and_vertumnus_differs_in_ea
     with pytest.raises(ValueError, match=r"policy must be one of \['vertumnus', "
                                          r"'vertumnus-paper'\], got 'paper'"):
         EngineConfig.for_policy("paper")
-    with pytest.raises(ValueError, match="live_horizon_s must be None or a finite number"):
-        EngineConfig.for_policy("vertumnus", live_horizon_s=-1.0)
+    for bad in (-1.0, True, "300"):
+        with pytest.raises(ValueError, match="live_horizon_s must be None or a finite number"):
+            EngineConfig.for_policy("vertumnus", live_horizon_s=bad)
+    with pytest.raises(ValueError, match=r"policy must be one of \['vertumnus', "):
+        EngineConfig.for_policy(["vertumnus"])
     policy_parts("vertumnus")["prefix_fetch"] = False  # a copy: the table is not changed
     assert POLICIES["vertumnus"]["prefix_fetch"] is True
     with pytest.raises(TypeError):  # and the table is read-only
@@ -87,6 +90,12 @@ def test_the_binarys_flags_replace_one_part_of_the_policy_at_a_time():
                     "--controller_policy=paper"])[0] == {
         **POLICIES["vertumnus"], "prefix_fetch": False, "congestion_price": False,
         "controller_policy": "paper"}
+    # the paper's controller's knobs are refused where the what-if controller runs
+    with pytest.raises(ValueError, match="--upper, --hold_s tune the paper's controller; "
+                                         "the what-if controller of this policy"):
+        _parsed(["--upper=0.5", "--hold_s=3"])
+    assert _parsed(["--upper=0.5", "--controller_policy=paper"])[0]["controller_policy"] == "paper"
+    assert _parsed(["--upper=0.5", "--policy=vertumnus-paper"])[0] == POLICIES["vertumnus-paper"]
     # a plug-in router is the router: the router's parts are left at the paper's, the
     # controller stays the policy's
     router = "--router=serving.policy.router:LeastWorkRouter"

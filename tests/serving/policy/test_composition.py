@@ -4,6 +4,7 @@ system prompt, overload on large-degree workers, and transitions that must pay f
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -119,3 +120,39 @@ def test_initial_composition_prefers_small_degrees_for_short_prompts_and_large_f
     assert comp == [4] * 4
     with pytest.raises(ValueError, match="degree >= 8"):
         choose_initial(16, (2, 4), long, COST.predict, min_largest_degree=8)
+
+
+@pytest.mark.parametrize("long_len, merges, degree", [(3000, 1, 4), (6000, 3, 8), (9000, 0, 0)])
+def test_a_prompt_no_worker_holds_merges_until_one_does(long_len, merges, degree):
+    # Four CP-2 workers of 4 KV blocks each (2,048 tokens); short prompts, and from 5 s one
+    # long prompt of `long_len` tokens every 3 s. No CP-2 worker holds it, so it is refused and
+    # never placed: the replay alone would keep the light pool. The controller merges toward
+    # the largest worker, one step per evaluation, until one holds it: 3,000 tokens need a CP-4
+    # (one merge), 6,000 a CP-8 (three: two CP-4, then those); 9,000 no allowed degree holds.
+    cap = {c: 2048 * c // 2 for c in (1, 2, 4, 8)}  # 2 blocks of 512 per device
+    specs = [dataclasses.replace(s, max_input_len=cap[s.cp_degree])
+             for s in layout_workers([2, 2, 2, 2], 2, 100_000)]
+    times = poisson(300, 5.0, 4)
+    reqs = [Request(f"s{i}", t, 300, 1, chain_block_hashes([i]), 512)
+            for i, t in enumerate(times)]
+    blocks = -(-long_len // 512)
+    reqs += [Request(f"l{k}", 5.0 + 3 * k, long_len, 1,
+                     chain_block_hashes([10_000 + 100 * k + j for j in range(blocks)]), 512)
+             for k in range(15)]
+    reqs.sort(key=lambda r: r.arrival_time)
+    cfg = CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1, max_degree=8)
+    ctl = CompositionController(cfg, lambda c: cap[c])
+    records = simulate(reqs, specs, COST, VertumnusRouter(), COST.predict, SIM,
+                       setup=[ctl.attach])
+    made = [d for d in ctl.decisions if d.get("reason") == "no worker holds a prompt refused"]
+    assert [d["kind"] for d in made] == ["merge"] * merges, ctl.decisions
+    assert [d["chosen"] for d in made] == [
+        f"merge {d['old']} (to hold {long_len} tokens)" for d in made]
+    # (once the long prompts are placed, the replay may merge again for them: a gain)
+    served = [r for r in records if r.request.request_id.startswith("l") and r.ok]
+    if merges:  # refused until a worker holds it (one evaluation per merge), served from then on
+        assert 0 < len(served) < 15 and all(r.cp_degree >= degree for r in served)
+        first = min(r.request.arrival_time for r in served)
+        assert all(r.ok for r in records if r.request.arrival_time > first)
+    else:
+        assert not served
