@@ -46,7 +46,8 @@ from eval.whatif_sim import replay_choice
 from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCacheAwareRouter,
                                StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.policy.composition import CompositionConfig, CompositionController, choose_initial
+from serving.policy.composition import CompositionConfig, CompositionController
+from serving.policy.whatif import choose_initial
 from serving.policy.controller import (ControllerConfig, ReconfigurationController, compositions,
                                        initial_composition)
 from serving.policy.cost_router import VertumnusRouter

@@ -231,7 +231,7 @@ def policy_flags() -> dict[str, object]:
         if flag.value is not None:
             parts[name] = flag.value
     given = [f"--{f.name}" for f in _PAPER_CONTROLLER if f.present]
-    if given and parts["controller_policy"] != "paper":
+    if given and parts["controller_policy"] != "paper" and _CONTROLLER.value:
         verb = "tunes" if len(given) == 1 else "tune"
         raise ValueError(f"{', '.join(given)} {verb} the paper's controller; the what-if "
                          "controller of this policy does not read them (add "

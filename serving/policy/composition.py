@@ -29,13 +29,14 @@ and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is submitted (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
-worker, a step at a time, until a worker holds it.
+worker, a step at a time, until a worker holds it (before the margins and `reverse_after_s`).
 
 This replaces the threshold rules of `serving.policy.controller.ReconfigurationController`
 (the paper's, kept for `vertumnus-paper`), whose load signal weighed every arrival at the
 smallest degree and so missed overload on large-degree workers, and which reconfigured under
 overload when draining costs the most. `choose_initial` picks the starting composition the same
-way, over every composition of the allowed degrees, on a sample of historical demand.
+way (`serving.policy.whatif`), over every composition of the allowed degrees, on a sample of
+historical demand.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from serving.policy.checks import require_finite
 from serving.policy.controller import compositions
 from serving.policy.live_set import LiveWorkingSet
 from serving.policy.request import Request
-from serving.policy.whatif import Sample, Window, best_composition, replay_ttft
+from serving.policy.whatif import Sample, Window, replay_ttft
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
                                    merge_buddies, split_halves)
@@ -124,6 +125,7 @@ class CompositionController:
         # worker able to hold it
         self.longest = longest
         self._unheld: Request | None = None  # the longest prompt submitted no worker held
+        self._big: WorkerState | None = None  # the largest worker when last looked
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -141,10 +143,14 @@ class CompositionController:
 
     def submitted(self, request: Request, now: float) -> None:
         """Notes a prompt no worker holds but one of `max_degree` would (module doc)."""
-        n = request.input_len  # (a worker holds `longest`, seen: splits keep one)
-        if n > self.longest and n <= self.max_input_len(self.config.max_degree) and not any(
-                w.can_hold(request) for w in self._scheduler.workers.values()):
-            self._unheld, self.longest = request, n
+        workers, big = self._scheduler.workers, self._big
+        if big is not None and workers.get(big.worker_id) is big and big.can_hold(request):
+            return  # the largest worker seen, still in the pool, holds it (the common case)
+        self._big = max(workers.values(), key=lambda w: w.spec.kv_capacity_blocks)
+        n, held = request.input_len, self._unheld
+        if (n > (held.input_len if held else 0) and n <= self.max_input_len(self.config.max_degree)
+                and not any(w.can_hold(request) for w in workers.values())):
+            self._unheld, self.longest = request, max(self.longest, n)
 
     def tick(self, scheduler, now: float) -> None:
         """Evaluates the candidates every `interval_s` and makes at most one change."""
@@ -340,30 +346,6 @@ class CompositionController:
                                                      min(p[0].spec.first_device,
                                                          p[1].spec.first_device)))
                     yield [a, b], [2 * c]
-
-
-def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sample],
-                   predict: Callable[[int, int, int], float], lam: float = 1.0,
-                   max_input_len: Callable[[int], int] | None = None,
-                   min_largest_degree: int = 1
-                   ) -> tuple[list[int], dict[tuple[int, ...], float]]:
-    """The starting composition: of every composition of `degrees` filling `num_gpus` with a
-    worker of at least `min_largest_degree`, the one of least predicted mean TTFT when `sample`
-    (historical demand: `(t, L, h)` sorted by t) is replayed through it
-    (`serving.policy.whatif.best_composition`).
-
-    Returns:
-      `(composition, {composition: predicted mean TTFT in seconds})`.
-
-    Raises:
-      ValueError: no composition fills `num_gpus`, or an empty sample.
-    """
-    options = [c for c in compositions(num_gpus, degrees) if max(c) >= min_largest_degree]
-    if not options:
-        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
-                         f"with a worker of degree >= {min_largest_degree}")
-    window = Window.of(sample, degrees, predict, max_input_len)
-    return best_composition(options, window, lam)
 
 
 def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float | None:

@@ -16,6 +16,9 @@ replay models queueing and degree efficiency, not how a composition changes cach
 A worker can start busy (`free_at`: outstanding work, or a transition's drain and re-carve), so
 a candidate that needs a split or merge is charged the time its workers are unavailable.
 
+`choose_initial` picks a pool's starting composition this way, over every composition of the
+allowed degrees, on a sample of historical demand.
+
 Cost: the predictions once per window (`Window.of`: one per request and degree), then one pass
 per candidate, `O(len(sample) x degrees x log workers)`. Plain Python over plain data; no clock
 is read.
@@ -27,6 +30,8 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
+
+from serving.policy.controller import compositions
 
 # One sampled request: (arrival time in s, input tokens, cached tokens).
 Sample = tuple[float, int, int]
@@ -154,3 +159,27 @@ def best_composition(options: Sequence[Sequence[int]], window: Window, lam: floa
     best = min(scored.values())
     near = [c for c in scored if scored[c][0] == best[0] and scored[c][1] <= best[1] * 1.001]
     return list(near[0]), {c: v[1] for c, v in scored.items()}
+
+
+def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sample],
+                   predict: Callable[[int, int, int], float], lam: float = 1.0,
+                   max_input_len: Callable[[int], int] | None = None,
+                   min_largest_degree: int = 1
+                   ) -> tuple[list[int], dict[tuple[int, ...], float]]:
+    """The starting composition: of every composition of `degrees` filling `num_gpus` with a
+    worker of at least `min_largest_degree`, the one of least predicted mean TTFT when `sample`
+    (historical demand: `(t, L, h)` sorted by t) is replayed through it
+    (`serving.policy.whatif.best_composition`).
+
+    Returns:
+      `(composition, {composition: predicted mean TTFT in seconds})`.
+
+    Raises:
+      ValueError: no composition fills `num_gpus`, or an empty sample.
+    """
+    options = [c for c in compositions(num_gpus, degrees) if max(c) >= min_largest_degree]
+    if not options:
+        raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
+                         f"with a worker of degree >= {min_largest_degree}")
+    window = Window.of(sample, degrees, predict, max_input_len)
+    return best_composition(options, window, lam)

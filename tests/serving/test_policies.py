@@ -96,6 +96,7 @@ def test_the_binarys_flags_replace_one_part_of_the_policy_at_a_time():
         _parsed(["--upper=0.5", "--hold_s=3"])
     assert _parsed(["--upper=0.5", "--controller_policy=paper"])[0]["controller_policy"] == "paper"
     assert _parsed(["--upper=0.5", "--policy=vertumnus-paper"])[0] == POLICIES["vertumnus-paper"]
+    assert _parsed(["--upper=0.5", "--nocontroller"])[0] == POLICIES["vertumnus"]  # no controller
     # a plug-in router is the router: the router's parts are left at the paper's, the
     # controller stays the policy's
     router = "--router=serving.policy.router:LeastWorkRouter"

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from eval.sim.simulator import SimConfig, simulate
-from serving.policy.composition import CompositionConfig, CompositionController, choose_initial
+from serving.policy.composition import CompositionConfig, CompositionController
+from serving.policy.whatif import choose_initial
 from serving.policy.cost_model import PrefillCostModel
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.profiles import generate_profile
@@ -156,3 +157,29 @@ def test_a_prompt_no_worker_holds_merges_until_one_does(long_len, merges, degree
         assert all(r.ok for r in records if r.request.arrival_time > first)
     else:
         assert not served
+
+
+def test_the_hold_rule_merges_again_after_the_only_holder_is_lost():
+    # Host 0: one CP-4 (2,048 tokens); host 1: two CP-2 buddies (1,024 each). A 1,500-token
+    # prompt is placed on the CP-4; host 0 dies; the next such prompt no worker holds is
+    # refused, and the first evaluation merges host 1's two CP-2 to hold it.
+    from tests.serving.policy.test_membership import Backend, Cost
+    from serving.policy.scheduler import Scheduler
+    cap = {c: 512 * c for c in (1, 2, 4)}
+    specs = [dataclasses.replace(s, max_input_len=cap[s.cp_degree])
+             for s in layout_workers([4, 2, 2], 1, 100_000, devices_per_host=4)]
+    records = []
+    s = Scheduler(specs, Cost(), VertumnusRouter(), Backend(), records.append)
+    ctl = CompositionController(CompositionConfig(interval_s=5.0, min_degree=1, max_degree=4),
+                                lambda c: cap[c])
+    ctl.attach(s)
+    prompt = lambda rid: Request(rid, 0.0, 1500, 1, chain_block_hashes([hash((rid, k)) for k in
+                                                                         range(3)]), 512)
+    assert s.submit(prompt("a"), 0.0) == 0  # the CP-4 holds it
+    s.lose_workers([0], 1.0, "host 0 died")
+    assert s.submit(prompt("b"), 2.0) is None and records[-1].error.startswith("input_len=1500")
+    s.tick(3.0)  # sets the first evaluation at 8 s
+    s.tick(8.0)
+    made = ctl.decisions[-1]
+    assert (made["kind"], made["old"], made["reason"]) == (
+        "merge", [1, 2], "no worker holds a prompt refused"), ctl.decisions
