@@ -29,7 +29,7 @@ from absl import app, flags, logging
 
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.controller import ControllerConfig
-from serving.policy.queue_order import FCFS, parse_queue_order
+from serving.policy.queue_order import parse_queue_order
 from serving.engine import EngineConfig
 from serving.engine_config import POLICIES, policy_parts
 from serving.server import ServerConfig
@@ -97,8 +97,8 @@ _PREFIX_FETCH = flags.DEFINE_boolean(
     "vertumnus-paper).")
 # The router's parts of a policy: a --router plug-in replaces them (the engine ignores them), so
 # turning one on beside it is refused (off, or left to --policy, is not).
-_ROUTER_PARTS = {"live_horizon_s": None, "congestion_price": False, "queue_order": FCFS,
-                 "prefix_fetch": False}
+_ROUTER_PARTS = {k: POLICIES["vertumnus-paper"][k]
+                 for k in ("live_horizon_s", "congestion_price", "queue_order", "prefix_fetch")}
 for _name, _on in (("live_horizon_s", bool), ("congestion_price", bool), ("prefix_fetch", bool),
                    ("queue_order", lambda v: v not in (None, "fcfs"))):
     flags.register_multi_flags_validator(

@@ -27,7 +27,7 @@ within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation
 `decisions`: the candidates compared and their predicted mean TTFT, whether a change was made
 and why.
 
-A prompt no worker holds is refused and never reaches the window: when one is submitted (one a
+A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
 worker, a step at a time, until a worker holds it (before the margins and `reverse_after_s`).
 
@@ -106,7 +106,7 @@ class CompositionController:
       longest: the longest prompt expected (tokens; e.g. from historical demand), so a worker
         able to hold it is kept before such a prompt is seen.
 
-    Use: `controller.attach(scheduler)` registers its placement, submit and tick hooks;
+    Use: `controller.attach(scheduler)` registers its placement, refusal and tick hooks;
     `decisions` logs every evaluation (time, candidates with predicted mean TTFT, the choice,
     the reason). It plans with the workers the pool has (after `Scheduler.lose_workers`); a
     merge never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
@@ -125,12 +125,11 @@ class CompositionController:
         # worker able to hold it
         self.longest = longest
         self._unheld: Request | None = None  # the longest prompt submitted no worker held
-        self._big: WorkerState | None = None  # the largest worker when last looked
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
         scheduler.placement_hooks.append(self.observe)
-        scheduler.submit_hooks.append(self.submitted)
+        scheduler.refused_hooks.append(self.refused)
         scheduler.tick_hooks.append(self.tick)
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
@@ -141,15 +140,11 @@ class CompositionController:
         if len(self._samples) > 4 * self.config.max_samples:
             self._samples.popleft()
 
-    def submitted(self, request: Request, now: float) -> None:
-        """Notes a prompt no worker holds but one of `max_degree` would (module doc)."""
-        workers, big = self._scheduler.workers, self._big
-        if big is not None and workers.get(big.worker_id) is big and big.can_hold(request):
-            return  # the largest worker seen, still in the pool, holds it (the common case)
-        self._big = max(workers.values(), key=lambda w: w.spec.kv_capacity_blocks)
+    def refused(self, request: Request, now: float) -> None:
+        """Notes a prompt the scheduler refused as no worker holds it, if a worker of
+        `max_degree` would (module doc)."""
         n, held = request.input_len, self._unheld
-        if (n > (held.input_len if held else 0) and n <= self.max_input_len(self.config.max_degree)
-                and not any(w.can_hold(request) for w in workers.values())):
+        if n > (held.input_len if held else 0) and n <= self.max_input_len(self.config.max_degree):
             self._unheld, self.longest = request, max(self.longest, n)
 
     def tick(self, scheduler, now: float) -> None:

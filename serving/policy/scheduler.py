@@ -12,10 +12,9 @@ and reservations, driven by these calls, each given `now` in seconds (it never r
 - `tick(now)`: periodic hooks (the controller and prefix-cache manager plug in here);
 - `lose_workers(ids, now, reason)` / `add_workers(specs, now)`: a host died / came back.
 
-Collaborators own the rest of the pool's state: `reconfig` (`Reconfigurations`: epochs, fresh
-worker ids, splits and merges in progress), `copies` (`PrefixCopies`: prefix copies and
-reclamations) and `membership` (`Membership`: workers lost and added). The scheduler's own
-`begin_reconfiguration` / `finish_reconfiguration` do what touches its queues.
+Collaborators own the rest: `reconfig` (`Reconfigurations`: epochs, fresh worker ids, splits
+and merges in progress), `copies` (`PrefixCopies`: copies, reclamations) and `membership`
+(`Membership`: workers lost and added); `begin_/finish_reconfiguration` touch the queues.
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
 `RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
@@ -48,8 +47,7 @@ class Scheduler:
       backend: runs prefills (`Backend`).
       listener: called once per finished request with its `RequestRecord`.
       prefix_index: the cluster's block-holder index (a fresh one by default).
-      log_limit: finished splits, merges, copies and reclamations the logs of `reconfig` and
-        `copies` keep (the latest; None: all, as the simulator's analyses want them).
+      log_limit: finished operations the logs of `reconfig` and `copies` keep (None: all).
 
     Raises:
       ValueError: duplicate worker ids, an empty pool, or a router `queue_order` not a `QueueOrder`.
@@ -78,11 +76,11 @@ class Scheduler:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
         self.tick_hooks: list[Callable[[Scheduler, float], None]] = []
         self.submit_hooks: list[Callable[[Request, float], None]] = []
-        # Called after each placement with (request, expected cached tokens, now).
+        # (request, expected cached tokens, now) after each placement
         self.placement_hooks: list[Callable[[Request, int, float], None]] = []
-        # Called with (request, worker id, now) when a request leaves its worker's queue, just
-        # before the backend starts its prefill (e.g. a router fetching the prefix for it).
+        # (request, worker id, now) as a request leaves its queue, before its prefill starts
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
+        self.refused_hooks: list[Callable[[Request, float], None]] = []  # none can hold it
         self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
         self.membership = Membership(self)
         self._placements: dict[str | int, Placement] = {}
@@ -394,6 +392,8 @@ class Scheduler:
     def _fail_unplaced(self, request: Request, now: float, error: str) -> None:
         self.num_failed += 1
         self.listener(RequestRecord(request, finish_time=now, error=error))
+        for hook in self.refused_hooks:
+            hook(request, now)
 
     def _retry_pending(self, now: float) -> None:
         for _ in range(len(self._pending)):
