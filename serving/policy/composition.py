@@ -2,34 +2,48 @@
 the change pays, its transition included.
 
 Every `interval_s` the controller takes the requests placed in the last `window_s` (at most
-`max_samples`, the most recent; each with the prefix it was expected to find cached) and
-replays them (`serving.policy.whatif`) through candidate compositions:
+`max_samples`, the most recent; each with the prefix it was expected to find cached) and replays
+them (`serving.policy.whatif`) through candidate compositions (sooner when the plan no longer
+holds: once the pool's backlog, `serving.policy.pool_load.pool_backlog`, exceeds what it was at
+the last evaluation by the mean TTFT that evaluation predicted for staying, and the window's
+load is past the overload rule's threshold (below), an evaluation of the overload rule alone
+comes at once (in a cooldown too), so a burst after a quiet phase is met within seconds, not at
+the next interval; a backlog the load does not explain is a burst the pool absorbs, and the
+schedule is kept):
 
 - *stay*: the current workers, each starting with its outstanding work;
 - *split* one worker of degree 2C (per degree, the one that drains first) into two of C;
 - *merge* two buddy workers of degree C (per degree, the pair that drains first) into one 2C.
 
-A candidate's changed workers start unavailable for their drain (the running prefill), the
-work queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the
-transition is paid inside the prediction. When the window's work exceeds the pool's capacity
-(its load: the fewest GPU-seconds each request needs at the pool's degrees, over the window's
-span times the GPUs; the signal the paper's controller computed at the smallest degree only),
-queues grow whatever a short window shows: the change that lowers the load most is made, if it
-lowers it by a fifth of the margin. The replay has no prefix caches, so it cannot see what a
-split costs in cached context (a re-carved cache, workers each able to keep fewer whole
-contexts): when the pool's reused live working set (the router's, `serving.policy.live_set`,
-`kv_pressure`) is at least its KV capacity, the caches and not the compute bind the pool, and
-no split is made (on the agent sessions the splits made there cost +69 % mean TTFT;
-eval/RESULTS.md). The best candidate is made only when its predicted mean TTFT is below stay's
-by at least `min_gain` (relative) and `min_gain_s` (absolute); one change at a time, then
-`cooldown_s`, and no change undoes the previous one (a merge after a split, or the reverse)
-within `reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in
+A candidate's changed workers start unavailable for their drain (the running prefill), the work
+queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the
+transition is paid inside the prediction. When the window's work exceeds the pool's capacity by
+the margin (its load, `serving.policy.pool_load`: each request's prefill at the degrees the pool
+has, as a share of what all of its workers serve a second, over the window's span, above `1 +
+min_gain`; the paper's controller weighed every request at the smallest degree, and so missed
+overload on large-degree workers), queues grow whatever a short window shows: the change that
+lowers the load most is made if it cuts the excess `load - 1` (the queues' growth) by a fifth of
+the margin and its predicted mean TTFT is no worse than staying's, and the next evaluation comes
+as soon as the change is done (no `cooldown_s`: each step drains one worker for about a second,
+while an overloaded queue grows by the second), which goes on while the load is above 1. (A
+window a little above 1 is as often a burst the pool absorbs: split for it, large-degree workers
+lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.) The replay
+has no prefix caches, so it cannot see what a split costs in cached context (a re-carved cache,
+workers each able to keep fewer whole contexts): when the pool's reused live working set (the
+router's, `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and
+not the compute bind the pool, and no split is made (on the agent sessions the splits made there
+cost +69 % mean TTFT; eval/RESULTS.md). The best candidate is made only when its predicted mean
+TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change
+at a time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and
+no change undoes the previous one (a merge after a split, or the reverse) within
+`reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in
 `decisions`: the candidates compared and their predicted mean TTFT, whether a change was made
 and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
-worker, a step at a time, until a worker holds it (before the margins and `reverse_after_s`).
+worker, a step at a time with no `cooldown_s` between them, until a worker holds it (before the
+margins and `reverse_after_s`).
 
 This replaces the threshold rules of `serving.policy.controller.ReconfigurationController`
 (the paper's, kept for `vertumnus-paper`), whose load signal weighed every arrival at the
@@ -47,10 +61,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from serving.policy.checks import require_finite
-from serving.policy.controller import compositions
-from serving.policy.live_set import LiveWorkingSet
+from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
-from serving.policy.whatif import Sample, Window, replay_ttft
+from serving.policy.whatif import (Sample, Window, replay_ttft, steps_between,
+                                   target_composition)
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
                                    merge_buddies, split_halves)
@@ -117,7 +131,8 @@ class CompositionController:
         self.config = config
         self.max_input_len = max_input_len
         self.decisions: list[dict] = []
-        self._samples: deque[Sample] = deque()
+        self._samples: deque = deque()  # (time, input_len, cached_len, request_id)
+        self._observed: set = set()  # the request ids in `_samples`
         self._next_eval = None
         self._quiet_until = 0.0
         self._last = (None, -float("inf"))  # (kind, time) of the last change made
@@ -125,6 +140,11 @@ class CompositionController:
         # worker able to hold it
         self.longest = longest
         self._unheld: Request | None = None  # the longest prompt submitted no worker held
+        # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc),
+        # the backlog at the last evaluation plus the mean TTFT it predicted for staying
+        self._replan_at: float | None = None
+        self._plan_stay = 0.0
+        self._chain = False  # the last evaluation made an overload step
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -133,12 +153,18 @@ class CompositionController:
         scheduler.tick_hooks.append(self.tick)
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
-        """Records a placed request (its expected cached prefix) for the next evaluation."""
-        self._samples.append((now, request.input_len, cached_len))
+        """Records a placed request (its expected cached prefix) for the next evaluation, once:
+        a request placed again (re-routed when its worker drained for a change, or was lost)
+        is no new arrival."""
+        rid = request.request_id
+        if rid in self._observed:
+            return
+        self._samples.append((now, request.input_len, cached_len, rid))
+        self._observed.add(rid)
         if request.input_len > self.longest:
             self.longest = request.input_len
         if len(self._samples) > 4 * self.config.max_samples:
-            self._samples.popleft()
+            self._observed.discard(self._samples.popleft()[3])
 
     def refused(self, request: Request, now: float) -> None:
         """Notes a prompt the scheduler refused as no worker holds it, if a worker of
@@ -148,39 +174,64 @@ class CompositionController:
             self._unheld, self.longest = request, max(self.longest, n)
 
     def tick(self, scheduler, now: float) -> None:
-        """Evaluates the candidates every `interval_s` and makes at most one change."""
+        """Evaluates the candidates every `interval_s`, sooner for an overload (module doc),
+        and makes at most one change."""
         cfg = self.config
         if self._next_eval is None:
             self._next_eval = now + cfg.interval_s
-        if now < self._next_eval or scheduler.reconfig.in_progress or now < self._quiet_until:
+        if scheduler.reconfig.in_progress:
             return
-        self._next_eval = now + cfg.interval_s
+        early = now < self._next_eval or now < self._quiet_until  # (overload rule only)
+        if early and (self._replan_at is None or pool_backlog(scheduler.workers.values(), now)
+                      < self._replan_at):
+            return
         samples = self._samples
         while samples and samples[0][0] <= now - cfg.window_s:
-            samples.popleft()
+            self._observed.discard(samples.popleft()[3])
         hold = self._hold_step(scheduler, now)
         if not samples and hold is None:
+            if not early:
+                self._next_eval = now + cfg.interval_s
             return
         recent = list(samples)[-cfg.max_samples:]
         t0 = recent[0][0] if recent else now
-        sample = [(t - t0, n, h) for t, n, h in recent]  # replayed from now on
-        op, figures = hold if hold is not None else self._best(scheduler, now, sample)
+        sample = [(t - t0, n, h) for t, n, h, _ in recent]  # replayed from now on
+        # urgent (refused prompts, or an overload): evaluate again once the change is done
+        op, figures, urgent = (*hold, True) if hold is not None else self._best(
+            scheduler, now, sample, early, now - t0)
+        self._chain = bool(urgent and op is not None and hold is None)
+        if figures is None:  # early, and the window shows no overload: keep the schedule
+            self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
+            return
+        self._next_eval = now + cfg.interval_s
+        self._replan_at = None
         entry = {"time": now, "samples": len(sample), "candidates": figures,
-                 "chosen": figures[0][0] if op is None else figures[1][0]}
+                 "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
         if op is not None:
             try:
                 rec = scheduler.begin_reconfiguration(*op, now)
-            except StrandedRequests:
-                return  # waiting requests need the workers this would remove
-            self._quiet_until = now + cfg.cooldown_s
+            except StrandedRequests as e:  # waiting requests need the workers it would remove
+                self._chain = False
+                entry["reason"] = f"not made: {e}"
+                self.decisions.append(entry)
+                return
+            self._quiet_until = now if urgent else now + cfg.cooldown_s
+            if urgent:
+                self._next_eval = now
             self._last = (rec.kind, now)
             entry.update(kind=rec.kind, old=list(rec.old_ids),
                          new=[s.worker_id for s in rec.new_specs], epoch=rec.epoch,
                          reason="no worker holds a prompt refused" if hold
                          else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
-                              f"{figures[0][1] * 1e3:.1f} ms staying")
+                              f"{figures[0][1] * 1e3:.1f} ms staying" + (
+                                  "; overloaded: next evaluation when done" if urgent else ""))
         else:
-            entry["reason"] = "no candidate beats staying by the margin"
+            entry["reason"] = "no candidate beats staying by the margin" if not early else \
+                "early (backlog beyond the plan): no overload step pays"
+        stay = figures[0][1]
+        if not urgent and stay > 0 and stay < float("inf"):  # (not NaN)
+            self._plan_stay = stay
+            self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
         self.decisions.append(entry)
 
     # ------------------------------------------------------------------------- candidates
@@ -211,14 +262,25 @@ class CompositionController:
         label = f"merge {[w.worker_id for w in olds]} (to hold {r.input_len} tokens)"
         return self._op(scheduler, olds, news), [("stay", float("nan")), (label, float("nan"))]
 
-    def _best(self, scheduler, now: float, sample: list[Sample]):
-        """`(op or None, [(label, predicted mean TTFT s), ...])`: stay first, then the best."""
+    def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
+              elapsed: float | None = None):
+        """`(op or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
+        the best; `overloaded` when the op is the overload rule's (module doc). `early` (before
+        the interval, the backlog beyond the plan): `(None, None, False)` unless the window's
+        load is past the overload threshold, and no change but the overload rule's. `elapsed`:
+        seconds from the sample's first arrival to now (the load's span)."""
         cfg = self.config
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if not active or len(active) != len(scheduler.workers):
-            return None, [("stay", float("nan"))]
+            return None, [("stay", float("nan"))], False
         degrees = self._degrees(scheduler, active)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
+        load = pool_load([w.cp_degree for w in active], window, elapsed)
+        # an overload by the margin starts the overload rule; once started, it goes on while
+        # the load is above 1 (module doc)
+        over = 1.0 if self._chain else 1.0 + cfg.min_gain
+        if early and load <= over:
+            return None, None, False
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
                               [free[w.worker_id] for w in active])
@@ -242,20 +304,23 @@ class CompositionController:
             if unheld:
                 continue
             label = f"{kind} {[w.worker_id for w in olds]}"
-            options.append((ttft, label, olds, news, _load(comp, window)))
+            options.append((ttft, label, olds, news, pool_load(comp, window, elapsed)))
         figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
             options, key=lambda o: o[0])]
         if kv_bound is not None:
             figures.append(("reused live working set / KV capacity", kv_bound))
+        figures.append(("load (work / capacity) staying", load))
         if not options:
-            return None, figures
-        load = _load([w.cp_degree for w in active], window)
-        if load > 1.0:  # overloaded: queues grow whatever the window shows; add capacity first
+            return None, figures, False
+        if load > over:  # overloaded: queues grow whatever the window shows; add capacity first
             best = min(options, key=lambda o: o[4])
-            figures.append(("load (work / capacity) staying", load))
-            if best[4] < load * (1 - cfg.min_gain / 5):
+            # the queues grow with the excess `load - 1`: cut it by a fifth of the margin, at
+            # a predicted mean TTFT no worse than staying's
+            if best[4] < load - (load - 1.0) * cfg.min_gain / 5 and best[0] <= stay:
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
-                return self._op(scheduler, best[2], best[3]), figures
+                return self._op(scheduler, best[2], best[3]), figures, True
+        if early:  # between evaluations only the overload rule acts
+            return None, figures, False
         ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
         if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
             # One step may gain little where several do (overload on large workers): compare
@@ -272,10 +337,10 @@ class CompositionController:
             gain = now_ttft - target_ttft
             if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
                                   and gain >= cfg.min_gain_s):
-                return None, figures
+                return None, figures, False
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.insert(1, (label + " (toward the target)", ttft))
-        return self._op(scheduler, olds, news), figures
+        return self._op(scheduler, olds, news), figures, False
 
     def _op(self, scheduler, olds, news):
         """The `begin_reconfiguration` arguments of replacing `olds` by workers of `news`."""
@@ -287,27 +352,15 @@ class CompositionController:
                 [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)])
 
     def _target(self, active, window: Window, free: dict):
-        """`(composition, its predicted mean TTFT, the current one's, the backlog)` for the best
-        composition of the pool's GPUs (a worker for the longest prompt kept), every worker of
-        either starting with the pool's backlog (outstanding GPU-seconds per GPU, s)."""
+        """`serving.policy.whatif.target_composition` for the pool (a worker for the longest
+        prompt kept, degrees within the config's range)."""
         cfg = self.config
-        gpus = sum(w.cp_degree for w in active)
-        spread = sum(w.cp_degree * free[w.worker_id] for w in active) / gpus
-        # what every composition pays alike: each request's wait for the backlog to clear
-        backlog = sum(max(spread - t, 0.0) for t in window.arrivals) / len(window.arrivals)
         degrees = [c for c in window.seconds if cfg.min_degree <= c <= cfg.max_degree]
         need = min((c for c in degrees if self.max_input_len(c) >= self.longest),
                    default=max(degrees))
-        current = sorted(w.cp_degree for w in active)
-        now_ttft, _ = replay_ttft(current, window, cfg.lam, [spread] * len(current))
-        best = (now_ttft, tuple(current))
-        for comp in compositions(gpus, degrees):
-            if max(comp) < need:
-                continue
-            ttft, unheld = replay_ttft(comp, window, cfg.lam, [spread] * len(comp))
-            if not unheld and ttft < best[0]:
-                best = (ttft, tuple(comp))
-        return best[1], best[0], now_ttft, backlog
+        return target_composition([w.cp_degree for w in active],
+                                  [free[w.worker_id] for w in active], window, cfg.lam,
+                                  degrees, need)
 
     @staticmethod
     def _closer(active, option, target) -> bool:
@@ -317,7 +370,7 @@ class CompositionController:
         after = sorted([c for c in now] + list(news))
         for w in olds:
             after.remove(w.cp_degree)
-        return _steps(after, list(target)) < _steps(now, list(target))
+        return steps_between(after, list(target)) < steps_between(now, list(target))
 
     def _changes(self, active: Sequence[WorkerState], now: float, known):
         """Per degree, the split and the merge that drain first: `(old workers, new degrees)`,
@@ -341,37 +394,3 @@ class CompositionController:
                                                      min(p[0].spec.first_device,
                                                          p[1].spec.first_device)))
                     yield [a, b], [2 * c]
-
-
-def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float | None:
-    """The pool's live working set that is reused, over its KV capacity (blocks over blocks):
-    `p * live / capacity`, with the router's live blocks (`serving.policy.live_set.
-    LiveWorkingSet.total`; contexts of workers that left the pool within the horizon counted
-    once) and their observed reuse rate `p` (blocks used once never bind the caches); None
-    when the router keeps no live sets."""
-    live = getattr(scheduler.router, "live", None)
-    if not isinstance(live, LiveWorkingSet) or not active:
-        return None
-    blocks = live.total(now, [w.worker_id for w in active])
-    return live.reuse_rate * blocks / sum(w.spec.kv_capacity_blocks for w in active)
-
-
-def _load(degrees: Sequence[int], window: Window) -> float:
-    """The window's work over the composition's capacity: per request the fewest GPU-seconds
-    any of its degrees needs, summed, over (the window's span x its GPUs); above 1 the queues
-    grow whatever the placement."""
-    span = max(window.arrivals[-1] - window.arrivals[0], 1.0) if window.arrivals else 1.0
-    cols = [(c, window.seconds[c]) for c in sorted(set(degrees))]
-    work = 0.0
-    for i in range(len(window.arrivals)):
-        need = [c * s[i] for c, s in cols if s[i] is not None]
-        work += min(need) if need else 0.0
-    return work / (span * sum(degrees))
-
-
-def _steps(a: Sequence[int], b: Sequence[int]) -> int:
-    """Splits and merges from `a` to `b` (same GPUs): the change in worker count (exact when one
-    refines the other), at least 1 when they differ."""
-    if sorted(a) == sorted(b):
-        return 0
-    return max(1, abs(len(a) - len(b)))

@@ -183,3 +183,47 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
                          f"with a worker of degree >= {min_largest_degree}")
     window = Window.of(sample, degrees, predict, max_input_len)
     return best_composition(options, window, lam)
+
+
+def target_composition(current: Sequence[int], outstanding: Sequence[float], window: Window,
+                       lam: float, degrees: Sequence[int], need: int
+                       ) -> tuple[tuple[int, ...], float, float, float]:
+    """The best composition of the pool's GPUs when every worker of each one starts with the
+    pool's backlog (the composition controller's comparison "on equal terms").
+
+    Args:
+      current: the pool's CP degrees, one per worker.
+      outstanding: per worker of `current`, its outstanding prefill seconds now.
+      window: the recent requests, replayed from now (`Window`).
+      lam: the placement cost's lambda.
+      degrees: the degrees a composition may use.
+      need: the smallest largest degree a composition must have (a worker for the longest
+        prompt).
+
+    Returns:
+      `(composition, its predicted mean TTFT, the current one's, the backlog)`: TTFTs in
+      seconds with every worker starting at the backlog `B` (outstanding GPU-seconds per GPU);
+      the last figure is what every composition pays alike, each request's wait for `B` to
+      clear (mean over the window, s). The current composition when none is faster.
+    """
+    gpus = sum(current)
+    spread = sum(c * f for c, f in zip(current, outstanding)) / gpus
+    backlog = sum(max(spread - t, 0.0) for t in window.arrivals) / len(window.arrivals)
+    now = sorted(current)
+    now_ttft, _ = replay_ttft(now, window, lam, [spread] * len(now))
+    best = (now_ttft, tuple(now))
+    for comp in compositions(gpus, degrees):
+        if max(comp) < need:
+            continue
+        ttft, unheld = replay_ttft(comp, window, lam, [spread] * len(comp))
+        if not unheld and ttft < best[0]:
+            best = (ttft, tuple(comp))
+    return best[1], best[0], now_ttft, backlog
+
+
+def steps_between(a: Sequence[int], b: Sequence[int]) -> int:
+    """Splits and merges from composition `a` to `b` (same GPUs): the change in worker count
+    (exact when one refines the other), at least 1 when they differ."""
+    if sorted(a) == sorted(b):
+        return 0
+    return max(1, abs(len(a) - len(b)))

@@ -88,6 +88,71 @@ def test_overload_on_large_workers_splits_at_the_first_evaluation():
     assert len(splits) >= 3 and max(handle[0].composition) <= 4, handle[0].composition
 
 
+def test_overload_splits_follow_each_other_without_the_cooldown():
+    # The same overload with the default knobs (evaluations every 30 s, 60 s of cooldown after
+    # a change): the splits that lower the load come one after the other as each re-carve
+    # ends, not a cooldown apart (queues grow by the second meanwhile).
+    times = poisson(9000, 90.0, 2)
+    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
+    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
+                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    handle = []
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
+             SIM, setup=[ctl.attach, handle.append])
+    splits = [d for d in ctl.decisions if d.get("kind") == "split"]
+    assert len(splits) >= 3 and max(handle[0].composition) <= 4, ctl.decisions[:6]
+    assert splits[0]["reason"].endswith("overloaded: next evaluation when done")
+    # each step: the drained prefill, `recarve_s` (1 s), the next tick (1 s)
+    assert splits[2]["time"] - splits[0]["time"] < 10.0, [d["time"] for d in splits]
+
+
+def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
+    # [8, 8]; 20K-token prompts at 0.5 req/s (the evaluation at 30 s keeps the pool), then from
+    # 40 s 2K-token prompts at 90 req/s, more than two CP-8 serve (63 a second). Once the
+    # pool's backlog has grown by the mean TTFT the last evaluation predicted, the controller
+    # evaluates at once instead of at 60 s, and splits.
+    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
+                                                                     range(40)]), 512)
+            for i in range(20)]
+    short = [Request(f"s{i}", 40.0 + i / 90.0, 2000, 1,
+                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
+             for i in range(1800)]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+             COST.predict, SIM, setup=[ctl.attach])
+    first = ctl.decisions[0]
+    assert first["time"] < 40.0 and first.get("kind") is None and not first["early"], first
+    split = next(d for d in ctl.decisions if d.get("kind") == "split")
+    assert split["early"] and 40.0 < split["time"] < 50.0, ctl.decisions[:3]
+
+
+@pytest.mark.parametrize("rate, step", [(90.0, False), (110.0, True)])
+def test_the_load_counts_each_degree_at_its_own_cost(rate, step):
+    # 16 GPUs as [4, 4, 4, 2, 2]; 2,000-token prompts, one every 1 / rate s. Per request CP-4
+    # takes T4, CP-2 T2 seconds: the pool serves 3 / T4 + 2 / T2 such requests a second (85.2
+    # with this cost model); counted at the fewest GPU-seconds (CP-2's, as if all 16 GPUs ran
+    # at CP-2: 16 / (2 T2) = 96 a second) 90 a second looked like 94 %. The load is logged at
+    # every evaluation; past 1 + min_gain (110 a second: 1.29) the overload rule splits a CP-4
+    # at once; 90 a second (1.06) is left to the replay's margins.
+    t2, t4 = COST.predict(2, 2000, 0), COST.predict(4, 2000, 0)
+    assert 3 / t4 + 2 / t2 < 90.0 < 16 / (2 * t2)
+    reqs = [Request(f"r{i}", i / rate, 2000, 1, chain_block_hashes([i * 10 + k for k in range(4)]),
+                    512) for i in range(4000)]
+    cfg = CompositionConfig(min_degree=2, max_degree=4)
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    simulate(reqs, layout_workers([4, 4, 4, 2, 2], 10_000, 100_000), COST, VertumnusRouter(),
+             COST.predict, SIM, setup=[ctl.attach])
+    first = ctl.decisions[0]
+    n = first["samples"]  # the window's most recent `max_samples`, (n - 1) / rate s apart
+    assert n == cfg.max_samples
+    expected = rate / (3 / t4 + 2 / t2) * n / (n - 1)
+    assert dict(first["candidates"])["load (work / capacity) staying"] == pytest.approx(expected)
+    assert ("(load " in first["chosen"]) == step, first
+    if step:
+        assert first["kind"] == "split" and first["old"][0] in (0, 1, 2), first
+
+
 @pytest.mark.parametrize("recarve_s, merges", [(1.0, True), (500.0, False)])
 def test_a_merge_is_made_only_when_the_gain_exceeds_the_transition(recarve_s, merges):
     # Long prompts (20K tokens) at low load on [2, 2]: one CP-4 worker serves each about twice
@@ -183,3 +248,27 @@ def test_the_hold_rule_merges_again_after_the_only_holder_is_lost():
     made = ctl.decisions[-1]
     assert (made["kind"], made["old"], made["reason"]) == (
         "merge", [1, 2], "no worker holds a prompt refused"), ctl.decisions
+
+
+def test_a_request_placed_again_is_one_arrival_of_the_window():
+    # Two hosts of two CP-2 workers; six requests at 0 s (four running, two queued). Host 0
+    # dies: its workers' requests are placed again, on host 1's workers (as a split or merge
+    # re-routes the queues of the workers it drains). The window counts each request once,
+    # at its first placement: the evaluation replays six requests, not ten.
+    from tests.serving.policy.test_membership import Backend, Cost
+    from serving.policy.scheduler import Scheduler
+    specs = layout_workers([2, 2, 2, 2], 1_000, 100_000, devices_per_host=4)
+    s = Scheduler(specs, Cost(), VertumnusRouter(), Backend())
+    ctl = CompositionController(CompositionConfig(interval_s=5.0, min_degree=2, max_degree=4),
+                                lambda c: 100_000)
+    ctl.attach(s)
+    placed = []
+    s.placement_hooks.append(lambda r, cached, now: placed.append(r.request_id))
+    for i in range(6):
+        s.submit(Request(f"r{i}", 0.0, 4000, 1, chain_block_hashes([100 * i + k for k in
+                                                                    range(8)]), 512), 0.0)
+    s.lose_workers([0, 1], 0.5, "host 0 died")
+    assert len(placed) > 6 and len(set(placed)) == 6, placed  # some placed twice
+    s.tick(1.0)  # sets the first evaluation at 6 s
+    s.tick(6.0)
+    assert ctl.decisions[-1]["samples"] == 6, ctl.decisions

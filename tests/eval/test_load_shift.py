@@ -1,0 +1,38 @@
+"""eval.load_shift: the overload case of issue 15 after a quiet phase of long prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.load_shift import run
+
+
+def test_the_controller_splits_when_the_short_prompts_arrive():
+    # Two minutes of 24K-token prompts at 0.5 req/s (large workers are best), then 40 s of
+    # 2K-token prompts at 90 req/s, more than CP-8 or CP-4 workers serve (about 63 and 82 a
+    # second on the 16 GPUs): the default policy splits once the heavy phase starts and is
+    # faster there than a pool left at CP-8.
+    data, md = run([90.0], light_rate=0.5, light_s=120.0, heavy_s=40.0,
+                   systems=("homogeneous-cp8", "vertumnus"))
+    at = data["90"]
+    ours, cp8 = at["vertumnus"], at["homogeneous-cp8"]
+    for system in (ours, cp8):
+        phases = system["phases"]
+        assert phases["long-light"]["num_requests"] + phases["short-heavy"]["num_requests"] \
+            == system["overall"]["num_requests"]
+        assert system["overall"]["failed"] == 0
+    splits = [x for x in ours["reconfigurations"] if x["kind"] == "split"]
+    assert splits and all(x["started"] >= 120.0 for x in splits), ours["reconfigurations"]
+    assert ours["phases"]["short-heavy"]["mean_ttft_ms"] < \
+        0.5 * cp8["phases"]["short-heavy"]["mean_ttft_ms"]
+    assert any(line.startswith("| vertumnus |") for line in md)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(light_rate=0.0), "light_rate"),
+                                       (dict(heavy_s=float("inf")), "heavy_s"),
+                                       (dict(heavy_rates=[-1.0]), "heavy_rates")])
+def test_bad_settings_name_the_flag(kw, field):
+    args = dict(heavy_rates=[90.0], light_rate=1.0, light_s=10.0, heavy_s=10.0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"--{field} must be finite and > 0"):
+        run(**args)
