@@ -42,13 +42,19 @@ LONG = SyntheticConfig(num_requests=4000, median_input_len=24_000, sigma=0.3,
 SHORT = SyntheticConfig(num_requests=40_000, median_input_len=2000, sigma=0.3,
                         min_input_len=1000, max_input_len=3000)
 
-_RATES = flags.DEFINE_list("heavy_rates", ["70", "90", "110"], "Rates of the heavy phase (req/s).")
-_LIGHT = flags.DEFINE_float("light_rate", 1.0, "Rate of the light phase (req/s), > 0.")
-_LIGHT_S = flags.DEFINE_float("light_s", 900.0, "Light phase length (s), > 0.")
-_HEAVY_S = flags.DEFINE_float("heavy_s", 180.0, "Heavy phase length (s), > 0.")
-_SYSTEMS = flags.DEFINE_list("systems", list(SYSTEMS), "Systems to compare.")
-_OUT = flags.DEFINE_string("output_json", "out/load_shift.json", "Where the JSON goes.")
+FLAGS = flags.FLAGS
 
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so that importing this
+    module beside `eval.bench_sim` or `eval.paper`, which have flags of the same names, is
+    fine)."""
+    flags.DEFINE_list("heavy_rates", ["70", "90", "110"], "Rates of the heavy phase (req/s).")
+    flags.DEFINE_float("light_rate", 1.0, "Rate of the light phase (req/s), > 0.")
+    flags.DEFINE_float("light_s", 900.0, "Light phase length (s), > 0.")
+    flags.DEFINE_float("heavy_s", 180.0, "Heavy phase length (s), > 0.")
+    flags.DEFINE_list("systems", list(SYSTEMS), "Systems to compare.")
+    flags.DEFINE_string("output_json", "out/load_shift.json", "Where the JSON goes.")
 
 def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,
         systems=SYSTEMS) -> tuple[dict, list[str]]:
@@ -100,18 +106,24 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        rates = [float(r) for r in _RATES.value]
-        data, md = run(rates, _LIGHT.value, _LIGHT_S.value, _HEAVY_S.value, _SYSTEMS.value)
+        try:
+            rates = [float(r) for r in FLAGS.heavy_rates]
+        except ValueError:
+            raise ValueError(f"--heavy_rates must be numbers (req/s), got "
+                             f"{FLAGS.heavy_rates}") from None
+        data, md = run(rates, FLAGS.light_rate, FLAGS.light_s, FLAGS.heavy_s, FLAGS.systems)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print("\n".join(md))
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump({"settings": {"heavy_rates": rates, "light_rate": _LIGHT.value,
-                                "light_s": _LIGHT_S.value, "heavy_s": _HEAVY_S.value},
+    out = FLAGS.output_json
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"settings": {"heavy_rates": rates, "light_rate": FLAGS.light_rate,
+                                "light_s": FLAGS.light_s, "heavy_s": FLAGS.heavy_s},
                    "results": data}, f, indent=1)
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
