@@ -1,9 +1,10 @@
 """The load signals the composition controller reads (`serving.policy.composition`).
 
 `pool_load`: the work of a window of requests over what a composition serves, at its own
-degrees (above 1 the queues grow whatever the placement); `pool_backlog`: the work queued and
-running now, as seconds of the whole pool; `kv_pressure`: the pool's reused live
-working set over its KV capacity (above 1 the caches, not the compute, bind the pool).
+degrees (an estimate; above 1 the queues of a placement that balances the workers grow);
+`pool_backlog`: the work queued and running now, as seconds of the whole pool; `kv_pressure`:
+the pool's reused live working set over its KV capacity (above 1 the caches, not the compute,
+bind the pool).
 
 Plain Python over plain data.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from serving.policy.live_set import LiveWorkingSet
 from serving.policy.whatif import Window
 from serving.policy.worker import WorkerState, WorkerStatus
+
 
 def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float | None:
     """The pool's live working set that is reused, over its KV capacity (blocks over blocks):
@@ -35,18 +37,10 @@ def pool_load(degrees: Sequence[int], window: Window,
     request i keeps the whole pool busy for `1 / sum_C (G_C / (C * T_C(i)))` seconds, `G_C`
     being the GPUs of the pool's degree-C workers (so degree C serves `G_C / (C T_C)` such
     requests a second: every worker busy, the fluid limit of a placement that balances them),
-    summed and divided by the span from the first arrival to now (`elapsed`; to the last
-    arrival when None). With one degree this is the window's GPU-seconds over (span x GPUs);
-    with several it is not the fewest GPU-seconds any degree needs (a pool of CP-4 workers and two
-    CP-2 ones would count every request at CP-2's cost, and so miss the overload of its CP-4
-    workers, which do most of the work).
-
-    Args:
-      degrees: the composition, one CP degree per worker.
-      window: the requests (`serving.policy.whatif.Window`: arrivals in seconds, sorted, and
-        predicted prefill seconds per degree, None where a degree cannot hold the request).
-      elapsed: seconds from the window's first arrival to now (at least its last arrival's
-        time), or None; the span is at least 1 s.
+    summed and divided by the span from the first arrival to now (`elapsed`). With one degree
+    this is the window's GPU-seconds over (span x GPUs); with several it is not the fewest
+    GPU-seconds any degree needs (a pool of CP-4 workers and two CP-2 ones would count every request
+    at CP-2's cost, and so miss the overload of its CP-4 workers, which do most of the work).
 
     A fluid estimate, not a bound: exact with one degree; with several, the rate of a
     placement that spreads each request over every worker in proportion to its speed (where
@@ -55,6 +49,14 @@ def pool_load(degrees: Sequence[int], window: Window,
     busy while they serve it (others could serve other requests meanwhile): mixes of lengths
     only large workers hold read high. The controller acts on it only past `1 + min_gain`, each
     step predicted no slower than staying.
+
+    Args:
+      degrees: the composition, one CP degree per worker.
+      window: the requests (`serving.policy.whatif.Window`: arrivals in seconds, sorted, and
+        predicted prefill seconds per degree, None where a degree cannot hold the request).
+      elapsed: now, on the window's clock (seconds; the controller's windows start at their
+        first arrival, 0), or None for the last arrival; the span, from the first arrival to
+        the later of the two, is at least 1 s.
 
     Returns:
       The load, >= 0 (0 for an empty window; a request no degree of `degrees` holds counts 0).

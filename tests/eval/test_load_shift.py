@@ -28,11 +28,20 @@ def test_the_controller_splits_when_the_short_prompts_arrive():
     assert any(line.startswith("| vertumnus |") for line in md)
 
 
-@pytest.mark.parametrize("kw, field", [(dict(light_rate=0.0), "light_rate"),
-                                       (dict(heavy_s=float("inf")), "heavy_s"),
-                                       (dict(heavy_rates=[-1.0]), "heavy_rates")])
-def test_bad_settings_name_the_flag(kw, field):
-    args = dict(heavy_rates=[90.0], light_rate=1.0, light_s=10.0, heavy_s=10.0)
+@pytest.mark.parametrize("kw, message", [
+    (dict(light_rate=0.0), "--light_rate must be finite and > 0"),
+    (dict(heavy_s=float("inf")), "--heavy_s must be finite and > 0"),
+    (dict(heavy_rates=[-1.0]), "--heavy_rates must be finite and > 0"),
+    (dict(heavy_rates=[]), "--heavy_rates and --systems must name at least one"),
+    (dict(systems=()), "--heavy_rates and --systems must name at least one"),
+    (dict(systems=("nosuch",)), "--systems: unknown system 'nosuch'"),
+    # the phases draw from fixed pools of 4,000 long and 40,000 short prompts: a setting that
+    # would run one dry (and cut its phase short) is refused
+    (dict(light_rate=10.0, light_s=401.0), r"--light_rate x --light_s must be <= 4000"),
+    (dict(heavy_rates=[500.0], heavy_s=81.0), r"--heavy_rates x --heavy_s must be <= 40000")])
+def test_bad_settings_name_the_flag(kw, message):
+    args = dict(heavy_rates=[90.0], light_rate=1.0, light_s=10.0, heavy_s=10.0,
+                systems=("vertumnus",))
     args.update(kw)
-    with pytest.raises(ValueError, match=f"--{field} must be finite and > 0"):
+    with pytest.raises(ValueError, match=message):
         run(**args)
