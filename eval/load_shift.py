@@ -32,7 +32,7 @@ from absl import app, flags
 from eval.experiment import ReplayConfig, ReplayEnv, run_parallel_degrees, simulate_system
 from eval.metrics import summarize
 from eval.slo import SloSpec, assign_slos
-from eval.traces.scenarios import Phase, phase_of, phased_workload
+from eval.traces.scenarios import Phase, phase_of, phased_workload, summarize_phases
 from eval.traces.synthetic import SyntheticConfig, synthetic_workload
 
 SYSTEMS = ("homogeneous-cp2", "homogeneous-cp4", "homogeneous-cp8", "leastwork-cp2",
@@ -101,8 +101,7 @@ def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,
         for name in systems:
             system = env.build_system(name, env.demand(first, light_rate))
             records, sched = simulate_system(env, cfg, system, reqs)
-            per = {ph.name: summarize([r for r in records if phase_of(r.request.request_id)
-                                       == ph.name]) for ph in phases}
+            per = summarize_phases(records, phases)
             overall = summarize(records)
             log = [{k: x[k] for k in ("kind", "started", "finished", "composition")}
                    for x in sched.reconfig.log]

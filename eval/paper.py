@@ -29,7 +29,7 @@ from eval.experiment import ReplayConfig, ReplayEnv, run_sweep, simulate_system
 from eval.metrics import summarize
 from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS, OURS,
                                QUICK_AGENT_WINDOW_S, SETUPS, shared_workloads)
-from eval.traces.scenarios import Phase, phase_of, phased_workload
+from eval.traces.scenarios import Phase, phased_workload, summarize_phases
 from eval.slo import SloSpec, assign_slos
 from eval.systems import register_system, vertumnus_system
 from serving.policy.composition import CompositionConfig
@@ -181,10 +181,9 @@ def part_reconfig(wls: dict, quick: bool) -> tuple[dict, list[str]]:
     for name in ("homogeneous-cp2", "homogeneous-cp4", "vertumnus-static", "vertumnus"):
         system = env.build_system(name, env.demand(reqs[: len(reqs) // 3], phases[0].rate))
         records, sched = simulate_system(env, cfg, system, reqs)
-        per = {}
+        per = summarize_phases(records, phases)
         for ph in phases:
-            m = summarize([r for r in records if phase_of(r.request.request_id) == ph.name])
-            per[ph.name] = m
+            m = per[ph.name]
             md.append(f"| {name} | {ph.name} | {m['num_requests']} | {m['mean_ttft_ms']:.0f} | "
                       f"{m['p90_ttft_ms']:.0f} | {m['token_weighted_slo_attainment']:.3f} |")
         data[name] = {"phases": per, "overall": summarize(records),

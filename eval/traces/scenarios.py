@@ -2,7 +2,8 @@
 
 `phased_workload` concatenates phases, each a window of a source workload replayed at its own
 rate: e.g. agent traffic at a moderate rate, then at a high rate, then a long-document phase.
-The controller is judged on how its composition follows the phases.
+The controller is judged on how its composition follows the phases (`summarize_phases`: the
+metrics of each).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from eval.metrics import summarize
 from eval.traces.workloads import scale_to_rate
-from serving.policy.request import Request
+from serving.policy.request import Request, RequestRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +64,14 @@ def phased_workload(phases: Sequence[Phase]) -> list[Request]:
 def phase_of(request_id: str) -> str:
     """The phase name of a request id made by `phased_workload`."""
     return str(request_id).split("/", 1)[0]
+
+
+def summarize_phases(records: Sequence[RequestRecord], phases: Sequence[Phase]) -> dict[str, dict]:
+    """`eval.metrics.summarize` of each phase's records (by `phase_of` their request id), by
+    phase name, in the order of `phases`."""
+    by_phase: dict[str, list[RequestRecord]] = {ph.name: [] for ph in phases}
+    for r in records:
+        got = by_phase.get(phase_of(r.request.request_id))
+        if got is not None:
+            got.append(r)
+    return {name: summarize(rs) for name, rs in by_phase.items()}

@@ -329,7 +329,7 @@ class CompositionController:
             # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
             # way) and, when the best is better by the margin, take a step toward it that is
             # itself predicted no worse than staying.
-            target, target_ttft, now_ttft, backlog = self._target(active, window, free)
+            target, target_ttft, now_ttft, backlog = self._target(active, window, now)
             figures += [("current, beyond the backlog", now_ttft - backlog),
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
             # the step itself must gain too (a fifth of the margin): each one drains workers
@@ -352,16 +352,15 @@ class CompositionController:
         return ("merge", [olds[0].worker_id, olds[1].worker_id],
                 [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)])
 
-    def _target(self, active, window: Window, free: dict):
+    def _target(self, active, window: Window, now: float):
         """`serving.policy.whatif.target_composition` for the pool (a worker for the longest
         prompt kept, degrees within the config's range)."""
         cfg = self.config
         degrees = [c for c in window.seconds if cfg.min_degree <= c <= cfg.max_degree]
         need = min((c for c in degrees if self.max_input_len(c) >= self.longest),
                    default=max(degrees))
-        return target_composition([w.cp_degree for w in active],
-                                  [free[w.worker_id] for w in active], window, cfg.lam,
-                                  degrees, need)
+        return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
+                                  window, cfg.lam, degrees, need)
 
     @staticmethod
     def _closer(active, option, target) -> bool:

@@ -185,15 +185,16 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
     return best_composition(options, window, lam)
 
 
-def target_composition(current: Sequence[int], outstanding: Sequence[float], window: Window,
-                       lam: float, degrees: Sequence[int], need: int
+def target_composition(current: Sequence[int], spread: float, window: Window, lam: float,
+                       degrees: Sequence[int], need: int
                        ) -> tuple[tuple[int, ...], float, float, float]:
     """The best composition of the pool's GPUs when every worker of each one starts with the
     pool's backlog (the composition controller's comparison "on equal terms").
 
     Args:
       current: the pool's CP degrees, one per worker.
-      outstanding: per worker of `current`, its outstanding prefill seconds now.
+      spread: the pool's backlog `B`, its outstanding prefill work now in seconds of the whole
+        pool (`serving.policy.pool_load.pool_backlog`).
       window: the recent requests, replayed from now (`Window`).
       lam: the placement cost's lambda.
       degrees: the degrees a composition may use.
@@ -207,7 +208,6 @@ def target_composition(current: Sequence[int], outstanding: Sequence[float], win
       clear (mean over the window, s). The current composition when none is faster.
     """
     gpus = sum(current)
-    spread = sum(c * f for c, f in zip(current, outstanding)) / gpus
     backlog = sum(max(spread - t, 0.0) for t in window.arrivals) / len(window.arrivals)
     now = sorted(current)
     now_ttft, _ = replay_ttft(now, window, lam, [spread] * len(now))
