@@ -52,11 +52,15 @@ moved into the new workers' caches, so the pool's live working set (`total`) cou
 where no active worker has them live. Where every worker's live set fits E is 0 and placement
 is unchanged; a live set counts every block placed within the horizon, reused or not, so with
 small workers it can exceed the KV capacity on production traffic too. Before any placement
-is predicted to push a live block out, p is 1 and the price keeps placements off workers
-whose live set is full while another has room, so the first evidence comes only when every
-candidate's is: on one-off short prompts (a synthetic stand-in) that took 18,167 of a 44 s
-run's 20,000 placements, +4.5 % mean TTFT; a prior from the reuse seen so far avoids it but
-costs the Mooncake synthetic trace more (eval/RESULTS.md, "Synthetic stand-ins").
+is predicted to push a live block out there is no evidence of what pushed-out context does,
+and p is the share of placed blocks already live where they are placed (`reuse_rate`: how
+much live context is asked for again at all; 0 on one-off prompts, near 1 on sessions).
+Before item 12 of eval/RESULTS.md it was 1: the price then kept placements off workers whose
+live set was full while another had room, so the evidence came only when every candidate's
+was, and on one-off short prompts (a synthetic stand-in) 18,167 of a 44 s run's 20,000
+placements were steered by a price nothing justified: +3.8 % mean TTFT against the best
+baseline, now -0.9 %. A p of 0 there instead pushes out the agent sessions' first contexts
+unpriced (their lowest load with Qwen3-30B-A3B: 864 -> 871 ms, above the best baseline's 870).
 
 Plain Python over plain data; `now` is passed in, never read from a clock.
 """
@@ -291,13 +295,14 @@ class LiveWorkingSet:
         """`p` of the module docstring: live blocks asked for again after the pool's caches
         lost them, per live block a placement was predicted to push out (`over_w` of the
         chosen worker), both summed over the recent placements recorded with their match
-        (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1; 1 while no
-        placement has been predicted to push any out. A block counts as lost when it is live
+        (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1. While no
+        placement has been predicted to push any out, `reuse_rate` (0 before any placement;
+        module doc). A block counts as lost when it is live
         on some worker (placed within the horizon) yet cached or promised on no candidate of
         the request asking for it (blocks held only by workers draining for a split or merge
         count as lost too)."""
         if not self._pushed:
-            return 1.0
+            return self.reuse_rate if self._placed else 0.0
         return min(1.0, self._lost / self._pushed)
 
     def forget(self, worker_id: int) -> None:

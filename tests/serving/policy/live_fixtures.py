@@ -26,10 +26,13 @@ def worker(wid, c, capacity, queued=0.0):
 
 def warm(live, worker_id, blocks, t=0.0):
     """Places `blocks` on the worker twice (the second time all are reused there), without
-    their matches: `victim_reuse_rate` stays 1 (no placement predicted to push any out), which
-    it returns."""
+    their matches, and gives `live` the evidence that every live block pushed out was asked
+    for again (one block pushed, one lost: white-box, so no other worker's set is touched):
+    `victim_reuse_rate` is then 1, which it returns."""
     live.touch(worker_id, blocks, t)
     live.touch(worker_id, blocks, t)
+    if not live._pushed:
+        live._pushed = live._lost = 1.0
     assert live.victim_reuse_rate == 1.0
     return 1.0
 

@@ -123,9 +123,9 @@ def test_victim_reuse_rate_by_hand():
     live = LiveWorkingSet(60.0)
     a, b = list(range(1, 9)), list(range(11, 19))
     live.touch(0, a, 0.0, 0, 0, 10)  # 8 blocks on 10: nothing pushed out
-    assert live.victim_reuse_rate == 1.0  # nothing predicted pushed out yet
+    assert live.victim_reuse_rate == 0.0  # nothing pushed out yet: `reuse_rate`, 0 here
     live.touch(0, b, 1.0, 0, 0, 10)  # min(8, 8 + 8 - 10) = 6 pushed out, nothing lost
-    assert live.victim_reuse_rate == 0.0
+    assert live.victim_reuse_rate == 0.0 and live._pushed == 6
     # a comes back on worker 1; its first 5 blocks are still cached on some candidate, the
     # other 3 are live (placed 2 s ago) but cached nowhere: lost. Worker 1 pushes nothing out.
     live.touch(1, a, 2.0, 0, 5, 10)
@@ -143,6 +143,22 @@ def test_victim_reuse_rate_by_hand():
     assert live.victim_reuse_rate == rate
     live.touch(5, a, 73.0, 0, 0, 10, request_id="y")  # another request: all 8 of a lost
     assert live.victim_reuse_rate > rate
+
+
+def test_victim_reuse_rate_before_any_push_is_the_reuse_rate():
+    # Until a placement is predicted to push a live block out there is no evidence of what
+    # pushed-out context does; the rate is then the share of placed blocks already live where
+    # they are placed (`reuse_rate`), 0 before any placement. By hand: one placement of 4 new
+    # blocks (share 0), then the same 4 again (share 1): (0 * d + 1) / (1 * d + 1).
+    live = LiveWorkingSet(60.0)
+    assert live.victim_reuse_rate == 0.0
+    a = [1, 2, 3, 4]
+    live.touch(0, a, 0.0, 0, 0, 10)
+    assert live.victim_reuse_rate == 0.0
+    live.touch(0, a, 1.0, 4, 4, 10)
+    assert live.victim_reuse_rate == pytest.approx(1 / (REUSE_DECAY + 1)) == live.reuse_rate
+    live.touch(0, list(range(10, 18)), 2.0, 0, 0, 10)  # 4 + 8 - 10 = 2 pushed out, none lost
+    assert live.victim_reuse_rate == 0.0
 
 
 def test_add_eviction_costs_adds_in_place_what_eviction_costs_returns():
