@@ -16,30 +16,29 @@ schedule is kept):
 - *merge* two buddy workers of degree C (per degree, the pair that drains first) into one 2C.
 
 A candidate's changed workers start unavailable for their drain (the running prefill), the work
-queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the
-transition is paid inside the prediction. When the window's work exceeds the pool's capacity by
-the margin (its load, `serving.policy.pool_load`: each request's prefill at the degrees the pool
-has, as a share of what all of its workers serve a second, over the window's span, above `1 +
-min_gain`; the paper's controller weighed every request at the smallest degree, and so missed
-overload on large-degree workers), queues grow whatever a short window shows: the change that
-lowers the load most is made if it cuts the excess `load - 1` (the queues' growth) by a fifth of
-the margin (logged as `split [id] (load L)`, L the load after it) and its predicted mean TTFT is
-no worse than staying's, and the next evaluation comes as soon as the change is done (no
-`cooldown_s`: each step drains one worker for about a second, while an overloaded queue grows by
-the second), which goes on while the load is above 1. (A window a little above 1 is as often a
-burst the pool absorbs: split for it, large-degree workers lose the latency they were chosen
-for; measured on the comparison's Qwen3-32B cells.) The replay has no prefix caches, so it
-cannot see what a split costs in cached context (a re-carved cache, workers each able to keep
-fewer whole contexts): when the pool's reused live working set (the router's,
+queued on the old workers (re-routed, spread over the new ones) and `recarve_s`, so the transition
+is paid inside the prediction. When the window's work exceeds the pool's capacity by the margin
+(its load, `serving.policy.pool_load`: each request's prefill at the degrees the pool has that hold
+it, as a share of what those workers serve a second, over the window's span, the most any set of
+degrees is asked for, above `1 + min_gain`; the paper's controller weighed every request at the
+smallest degree, and so missed overload on large-degree workers), queues grow whatever a short
+window shows: the change that lowers the load most is made if it cuts the excess `load - 1` (the
+queues' growth) by a fifth of the margin (logged as `split [id] (load L)`, L the load after it) and
+its predicted mean TTFT is no worse than staying's, and the next evaluation comes as soon as the
+change is done (no `cooldown_s`: each step drains one worker for about a second, while an
+overloaded queue grows by the second), which goes on while the load is above 1. (A window a little
+above 1 is as often a burst the pool absorbs: split for it, large-degree workers lose the latency
+they were chosen for; measured on the comparison's Qwen3-32B cells.) The replay has no prefix
+caches, so it cannot see what a split costs in cached context (a re-carved cache, workers each able
+to keep fewer whole contexts): when the pool's reused live working set (the router's,
 `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and not the
-compute bind the pool, and no split is made (on the agent sessions the splits made there cost
-+69 % mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted
-mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one
-change at a time, then `cooldown_s` (except after an overload's step or a refused prompt's
-merge), and no change undoes the previous one (a merge after a split, or the reverse) within
-`reverse_after_s`, so noisy windows cannot make it flap. Every evaluation is logged in
-`decisions`: the candidates compared and their predicted mean TTFT, whether a change was made
-and why.
+compute bind the pool, and no split is made (on the agent sessions the splits made there cost +69 %
+mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted mean TTFT
+is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change at a
+time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
+change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
+noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
+compared and their predicted mean TTFT, whether a change was made and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest

@@ -182,14 +182,16 @@ class LiveWorkingSet:
           worker_id, block_hashes, now: the placement; `block_hashes` is the request's hash
             chain from its first block (`Request.block_hashes`, full blocks only).
           matched_blocks: the request's leading blocks cached or promised on `worker_id` when
-            it was placed (the router's `m_w`), or None to leave `victim_reuse_rate` as it is.
+            it was placed (the router's `m_w`), or None to leave the loss counts of
+            `victim_reuse_rate` as they are (`reuse_rate`, its value before any evidence, is
+            updated by every placement).
           pool_matched_blocks: the most leading blocks cached or promised on any candidate,
             >= matched_blocks (blocks from there on that are live somewhere count as lost).
           capacity_blocks: the worker's KV capacity (blocks), >= 1 with matched_blocks.
           request_id: the request's id, or None. A request placed again within the horizon
-            (re-routed when its worker drained for a split or merge) leaves
-            `victim_reuse_rate` as it is: its blocks are live from its first placement, not
-            lost.
+            (re-routed when its worker drained for a split or merge) leaves the loss counts
+            as they are: its blocks are live from its first placement, not lost (it still
+            counts in `reuse_rate`, as not reused on its new worker).
 
         Raises:
           ValueError: with matched_blocks, pool_matched_blocks < matched_blocks or
@@ -295,12 +297,12 @@ class LiveWorkingSet:
         """`p` of the module docstring: live blocks asked for again after the pool's caches
         lost them, per live block a placement was predicted to push out (`over_w` of the
         chosen worker), both summed over the recent placements recorded with their match
-        (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1. While no
-        placement has been predicted to push any out, `reuse_rate` (0 before any placement;
-        module doc). A block counts as lost when it is live
-        on some worker (placed within the horizon) yet cached or promised on no candidate of
-        the request asking for it (blocks held only by workers draining for a split or merge
-        count as lost too)."""
+        (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1. While no placement
+        has been predicted to push any out, `reuse_rate` (0 before any placement; module
+        doc), also when blocks were lost (live only on workers that were no candidate): a
+        known limit. A block counts as lost when it is live on some worker (placed within the
+        horizon) yet cached or promised on no candidate of the request asking for it (blocks
+        held only by workers draining for a split or merge count as lost too)."""
         if not self._pushed:
             return self.reuse_rate if self._placed else 0.0
         return min(1.0, self._lost / self._pushed)

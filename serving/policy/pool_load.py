@@ -33,22 +33,34 @@ def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float |
 
 def pool_load(degrees: Sequence[int], window: Window,
               elapsed: float | None = None) -> float:
-    """The window's work over the composition's capacity, at the degrees its workers have:
-    request i keeps the whole pool busy for `1 / sum_C (G_C / (C * T_C(i)))` seconds, `G_C`
-    being the GPUs of the pool's degree-C workers (so degree C serves `G_C / (C T_C)` such
-    requests a second: every worker busy, the fluid limit of a placement that balances them),
-    summed and divided by the span from the first arrival to now (`elapsed`). With one degree
-    this is the window's GPU-seconds over (span x GPUs); with several it is not the fewest
-    GPU-seconds any degree needs (a pool of CP-4 workers and two CP-2 ones would count every request
-    at CP-2's cost, and so miss the overload of its CP-4 workers, which do most of the work).
+    """The window's work over the composition's capacity, at the degrees its workers have.
 
-    A fluid estimate, not a bound: exact with one degree; with several, the rate of a
-    placement that spreads each request over every worker in proportion to its speed (where
-    the degrees' relative costs differ by length, sending each length to the degree it suits
-    serves more), and a request only some degrees hold is charged as if it kept the whole pool
-    busy while they serve it (others could serve other requests meanwhile): mixes of lengths
-    only large workers hold read high. The controller acts on it only past `1 + min_gain`, each
-    step predicted no slower than staying.
+    Request i, spread over the degrees `H_i` that can hold it in proportion to their speed
+    (every one of their workers busy: the fluid limit of a placement that balances them),
+    keeps them busy for `b_i = 1 / sum_{C in H_i} (G_C / (C * T_C(i)))` seconds, `G_C` being
+    the GPUs of the pool's degree-C workers (degree C serves `G_C / (C T_C)` such requests a
+    second), that is `b_i * G(H_i)` GPU-seconds. The load is the largest, over the sets U of
+    the pool's degrees, of the work only U can serve over U's capacity in the window's span:
+
+        load = max_U  sum_{i : H_i within U} b_i * G(H_i) / G(U)  /  span
+
+    Taking each request's GPU-seconds as fixed, this is exact for the fluid (preemptive)
+    assignment: by Hall's condition for a transportation problem (the supply-demand theorem, D.
+    Gale, "A theorem on flows in networks", Pacific J. Math. 7(2), 1957) the requests fit in
+    `L * span * G_C` GPU-seconds per degree if and only if no set of degrees is asked for more
+    than that. With every request held by every degree it is `sum_i b_i / span` (with one
+    degree, the window's GPU-seconds over span x GPUs); a set U that is not every degree counts
+    only the requests no other degree holds, so long prompts only large workers hold are
+    charged to those workers, not to the whole pool (the single sum over every request did:
+    eval/RESULTS.md, item 11). It is not the fewest GPU-seconds any degree needs (a pool of
+    CP-4 workers and two CP-2 ones would count every request at CP-2's cost, and so miss the
+    overload of its CP-4 workers, which do most of the work), and where the degrees' relative
+    costs differ by length, the proportional spread is not the best assignment: it over-reads
+    where sending each length to the degree it suits serves more, and it can under-read where
+    the degrees a shared request would spread to are full with requests only they hold and the
+    rest cost more per GPU (non-nested holders, or a larger degree cheaper per GPU-second: a
+    few percent on the fitted profiles). An estimate, which the controller acts on only past
+    `1 + min_gain`, each step predicted no slower than staying.
 
     Args:
       degrees: the composition, one CP degree per worker.
@@ -59,7 +71,11 @@ def pool_load(degrees: Sequence[int], window: Window,
         the later of the two, is at least 1 s.
 
     Returns:
-      The load, >= 0 (0 for an empty window; a request no degree of `degrees` holds counts 0).
+      The load, >= 0 (0 for an empty window; a request no degree of `degrees` holds counts 0;
+      predicted seconds that are 0, infinite or NaN count as not held). Cost: O(requests x
+      degrees + sets x 2 ** degrees), `sets` the distinct holder sets (at most the number
+      of degrees when, as with `max_input_len`, a larger degree holds whatever a smaller
+      one does; 2 ** degrees at worst).
     """
     n = len(window.arrivals)
     if not n:
@@ -67,13 +83,27 @@ def pool_load(degrees: Sequence[int], window: Window,
     gpus: dict[int, int] = {}
     for c in degrees:
         gpus[c] = gpus.get(c, 0) + c
-    cols = [(g / c, window.seconds[c]) for c, g in sorted(gpus.items())]  # (workers, T_C)
-    busy = []  # per request, seconds of the whole pool
+    kinds = sorted(gpus)
+    cols = [(gpus[c] / c, window.seconds[c], 1 << k) for k, c in enumerate(kinds)]
+    by_set: dict[int, float] = {}  # H_i as a bit set of `kinds` -> sum of b_i
     for i in range(n):
-        rate = sum(k / s[i] for k, s in cols if s[i])  # such requests served a second
-        busy.append(1.0 / rate if rate else 0.0)
+        rate = 0.0  # such requests served a second
+        held = 0
+        for k, s, bit in cols:
+            r = k / s[i] if s[i] else 0.0
+            if r > 0.0:  # (seconds None, 0, infinite or NaN: not held)
+                rate += r
+                held |= bit
+        if held:
+            by_set[held] = by_set.get(held, 0.0) + 1.0 / rate
+    size = [0] * (1 << len(kinds))  # G(U) per bit set U
+    for u in range(1, len(size)):
+        size[u] = sum(gpus[c] for k, c in enumerate(kinds) if u >> k & 1)
+    work = max((sum(b * size[h] / size[u] if h != u else b
+                    for h, b in by_set.items() if h & u == h)
+                for u in range(1, len(size))), default=0.0)
     end = window.arrivals[-1] if elapsed is None else max(elapsed, window.arrivals[-1])
-    return sum(busy) / max(end - window.arrivals[0], 1.0)
+    return work / max(end - window.arrivals[0], 1.0)
 
 
 def pool_backlog(workers: Iterable[WorkerState], now: float) -> float:

@@ -37,6 +37,26 @@ def test_requests_a_degree_cannot_hold_and_empty_windows():
     assert pool_load([4], Window((), {4: ()}, ())) == 0.0
 
 
+def test_prompts_only_some_degrees_hold_are_charged_to_those_degrees():
+    # [8, 2, 2, 2, 2], 16 GPUs; over 10 s, 3 long prompts only the CP-8 holds (T8 = 2.0 s) and
+    # 20 short ones both hold (T8 = 0.2, T2 = 0.5: 1 / 0.2 + 4 / 0.5 = 13 a second, b = 1/13).
+    # By hand, the largest set load: {8} alone, 3 * 2.0 / 10 = 0.6 (the CP-8 must serve the
+    # long ones; the CP-2 workers, 25 % busy with every short one, have room for the rest);
+    # both degrees: (3 * 2.0 * 8/16 + 20/13) / 10 = 0.454; {2} alone: nothing only it holds.
+    # The single sum over every request, as if each kept the whole pool busy, read 0.754.
+    def mixed(shorts):
+        n = 3 + shorts
+        long = {0, n // 2, n - 1}
+        return Window(tuple(10.0 * i / (n - 1) for i in range(n)),
+                      {2: tuple(None if i in long else 0.5 for i in range(n)),
+                       8: tuple(2.0 if i in long else 0.2 for i in range(n))},
+                      tuple(16.0 if i in long else 1.0 for i in range(n)))
+    assert pool_load([8, 2, 2, 2, 2], mixed(20)) == pytest.approx(0.6)
+    # 200 short ones: both degrees together bind, (3.0 + 200 / 13) / 10 = 1.84
+    assert pool_load([8, 2, 2, 2, 2], mixed(200)) == pytest.approx((3.0 + 200 / 13) / 10)
+    assert pool_load([8], mixed(20)) == pytest.approx((3 * 2.0 + 20 * 0.2) / 10)  # one degree
+
+
 def test_the_backlog_is_the_active_workers_work_spread_over_their_gpus():
     # CP-4 with 2 s queued and a running prefill of 3 s started 1 s ago (2 s left); CP-2 with
     # 1 s queued; a draining CP-2 with 5 s (not counted): (4 * 4 + 2 * 1) / (4 + 2) = 3 s
