@@ -73,9 +73,9 @@ def pool_load(degrees: Sequence[int], window: Window,
     Returns:
       The load, >= 0 (0 for an empty window; a request no degree of `degrees` holds counts 0;
       predicted seconds that are 0, infinite or NaN count as not held). Cost: O(requests x
-      degrees + sets x 2 ** degrees), `sets` the distinct holder sets (at most the number
-      of degrees when, as with `max_input_len`, a larger degree holds whatever a smaller
-      one does; 2 ** degrees at worst).
+      degrees + sets x unions), `sets` the distinct holder sets and `unions` their unions
+      (both at most the number of degrees when, as with `max_input_len`, a larger degree
+      holds whatever a smaller one does; 2 ** degrees at worst).
     """
     n = len(window.arrivals)
     if not n:
@@ -96,12 +96,17 @@ def pool_load(degrees: Sequence[int], window: Window,
                 held |= bit
         if held:
             by_set[held] = by_set.get(held, 0.0) + 1.0 / rate
-    size = [0] * (1 << len(kinds))  # G(U) per bit set U
-    for u in range(1, len(size)):
-        size[u] = sum(gpus[c] for k, c in enumerate(kinds) if u >> k & 1)
+    # The largest ratio is at a union of holder sets (a set U that is not one asks as much of
+    # the union of the holder sets within it, which has no more GPUs): only those are tried.
+    unions: set[int] = set()
+    for h in by_set:
+        unions |= {h | u for u in unions}
+        unions.add(h)
+    size = {u: sum(gpus[c] for k, c in enumerate(kinds) if u >> k & 1)
+            for u in unions | by_set.keys()}  # G(U) per bit set U
     work = max((sum(b * size[h] / size[u] if h != u else b
                     for h, b in by_set.items() if h & u == h)
-                for u in range(1, len(size))), default=0.0)
+                for u in unions), default=0.0)
     end = window.arrivals[-1] if elapsed is None else max(elapsed, window.arrivals[-1])
     return work / max(end - window.arrivals[0], 1.0)
 
