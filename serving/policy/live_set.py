@@ -54,7 +54,8 @@ is unchanged; a live set counts every block placed within the horizon, reused or
 small workers it can exceed the KV capacity on production traffic too. Before any placement
 is predicted to push a live block out there is no evidence of what pushed-out context does,
 and p is the share of placed blocks already live where they are placed (`reuse_rate`: how
-much live context is asked for again at all; 0 on one-off prompts, near 1 on sessions).
+much live context is asked for again at all; 0 on one-off prompts, near 1 on sessions), or 1
+once live blocks were lost with none pushed out (`victim_reuse_rate`).
 Before item 12 of eval/RESULTS.md it was 1: the price then kept placements off workers whose
 live set was full while another had room, so the evidence came only when every candidate's
 was, and on one-off short prompts (a synthetic stand-in) 18,167 of a 44 s run's 20,000
@@ -76,6 +77,9 @@ from serving.policy.worker import WorkerState
 # Weight of a placement k placements ago in `reuse_rate`: REUSE_DECAY ** k (a memory of about
 # 1,000 placements; chosen once, not tuned).
 REUSE_DECAY = 0.999
+# Decayed sums of `victim_reuse_rate` below this many blocks are no evidence and are dropped
+# (0.999 ** 230,000 is about 1e-100: far from float underflow, and from any count that matters).
+NO_EVIDENCE = 1e-100
 # The default horizon: the lifetime hosted prompt caches give an unused prefix (Anthropic's
 # prompt caching: 5 minutes; OpenAI's: 5 to 10 minutes of inactivity). On the agent sessions
 # 60, 120, 300 and 600 s were also measured (eval/RESULTS.md): 300 was best there, so that
@@ -216,6 +220,8 @@ class LiveWorkingSet:
             lost = self._live_anywhere(block_hashes, pool_matched_blocks) - pool_matched_blocks
             self._lost = self._lost * REUSE_DECAY + lost
             self._pushed = self._pushed * REUSE_DECAY + (over if over > 0 else 0)
+            if self._pushed < NO_EVIDENCE and self._lost < NO_EVIDENCE:
+                self._lost = self._pushed = 0.0  # decayed away (`victim_reuse_rate`)
         fresh = dict.fromkeys(block_hashes, now)
         before = len(last)
         last.update(fresh)
@@ -299,11 +305,17 @@ class LiveWorkingSet:
         chosen worker), both summed over the recent placements recorded with their match
         (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1. While no placement
         has been predicted to push any out, `reuse_rate` (0 before any placement; module
-        doc), also when blocks were lost (live only on workers that were no candidate): a
-        known limit. A block counts as lost when it is live on some worker (placed within the
+        doc) when no block was lost either, and 1 when some were (the ratio's limit as the
+        pushes go to 0: context is lost where no placement was predicted to push it out, e.g.
+        held only by workers that were no candidate). Evidence that has decayed below
+        `NO_EVIDENCE` blocks (about 230,000 placements after the last push of one block) is
+        dropped, both sums set to 0, so the ratio never reads floats at the edge of their
+        range. A block counts as lost when it is live on some worker (placed within the
         horizon) yet cached or promised on no candidate of the request asking for it (blocks
         held only by workers draining for a split or merge count as lost too)."""
         if not self._pushed:
+            if self._lost:
+                return 1.0
             return self.reuse_rate if self._placed else 0.0
         return min(1.0, self._lost / self._pushed)
 

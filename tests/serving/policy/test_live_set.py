@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from serving.policy.cost_router import VertumnusRouter
-from serving.policy.live_set import REUSE_DECAY, LiveWorkingSet
+from serving.policy.live_set import NO_EVIDENCE, REUSE_DECAY, LiveWorkingSet
 from serving.policy.request import chain_block_hashes
 from tests.serving.policy.live_fixtures import Linear, request, warm, worker
 
@@ -161,6 +161,35 @@ def test_victim_reuse_rate_before_any_push_is_the_reuse_rate():
     assert live.victim_reuse_rate == 0.0
 
 
+def test_victim_reuse_rate_is_one_when_blocks_are_lost_and_none_was_pushed_out():
+    # lost / pushed as pushed goes to 0: 8 blocks live on worker 0 (100-block cache, nothing
+    # pushed out) are asked for again by a request whose candidates hold none of them.
+    live = LiveWorkingSet(60.0)
+    a = list(range(1, 9))
+    live.touch(0, a, 0.0, 0, 0, 100)
+    assert live.victim_reuse_rate == 0.0 and live._lost == 0.0  # reuse rate 0, nothing lost
+    live.touch(1, a, 1.0, 0, 0, 100)
+    assert live._pushed == 0.0 and live._lost == 8.0
+    assert live.victim_reuse_rate == 1.0 and live.reuse_rate == 0.0
+
+
+def test_victim_evidence_decayed_below_the_floor_is_dropped():
+    # One push of one block, then k push-free placements, leave d ** k in the sum: from
+    # k = 230,144 on (d ** k < 1e-100) it is no evidence and the rate is the reuse rate again.
+    k = math.ceil(math.log(NO_EVIDENCE) / math.log(REUSE_DECAY))
+    assert k == 230_144 and REUSE_DECAY ** k < NO_EVIDENCE <= REUSE_DECAY ** (k - 1)
+    live = LiveWorkingSet(60.0)
+    live.touch(0, [1, 2], 0.0, 0, 0, 100)  # (share 0; nothing pushed out or lost)
+    # the sums k - 2 push-free placements after one push (half its blocks lost since)
+    live._pushed, live._lost = REUSE_DECAY ** (k - 2), 0.5 * REUSE_DECAY ** (k - 2)
+    live.touch(0, [3, 4], 1.0, 0, 0, 100)  # the (k-1)-th: d ** (k-1) >= 1e-100, kept
+    assert live.victim_reuse_rate == pytest.approx(0.5, rel=1e-12)
+    live.touch(0, [1, 2], 2.0, 2, 2, 100)  # the k-th (blocks reused: share 1): dropped
+    assert live._pushed == live._lost == 0.0
+    assert live.victim_reuse_rate == live.reuse_rate == pytest.approx(
+        1 / (1 + REUSE_DECAY + REUSE_DECAY ** 2))
+
+
 def test_add_eviction_costs_adds_in_place_what_eviction_costs_returns():
     live = LiveWorkingSet(60.0)
     warm(live, 0, list(range(1000, 1016)))
@@ -241,6 +270,8 @@ class NaiveLiveSets:
                        for h in hashes[pool_matched:])
             self.lost = self.lost * REUSE_DECAY + lost
             self.pushed = self.pushed * REUSE_DECAY + max(over, 0)
+            if self.lost < NO_EVIDENCE and self.pushed < NO_EVIDENCE:
+                self.lost = self.pushed = 0.0
         last.update(dict.fromkeys(hashes, now))
         self.requests[rid] = now
 
