@@ -111,6 +111,7 @@ _PROGRESS = flags.DEFINE_float("progress_interval_s", 30.0, "Seconds between pro
                                "(0 = none).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the prompts and of the operations chosen.")
 _OUT = flags.DEFINE_string("out_dir", "out/soak", "Where the JSON (and the server log) go.")
+flags.DEFINE_alias("output_dir", "out_dir")  # the name of the other tools' flag, too
 
 
 def main(argv):

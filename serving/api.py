@@ -257,13 +257,13 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     @app.post("/v1/workers/split")
     async def split(body: SplitRequest, request: Request):
         try:
-            epoch = engine.split(body.worker_id)
+            rec = engine.split(body.worker_id)
         except StrandedRequests as e:
             raise ApiError(409, f"split of worker {body.worker_id} refused: {e}", "worker_id",
                            "conflict_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "worker_id") from None
-        return {"epoch": epoch, "status": "draining"}
+        return reconfiguration_started(rec)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
@@ -276,13 +276,13 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     @app.post("/v1/workers/merge")
     async def merge(body: MergeRequest, request: Request):
         try:
-            epoch = engine.merge(body.worker_ids)
+            rec = engine.merge(body.worker_ids)
         except StrandedRequests as e:
             raise ApiError(409, f"merge of workers {body.worker_ids} refused: {e}",
                            "worker_ids", "conflict_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "worker_ids") from None
-        return {"epoch": epoch, "status": "draining"}
+        return reconfiguration_started(rec)
 
     def kv_params(request: Request):
         url = request.url
@@ -345,6 +345,13 @@ async def _disconnected(receive) -> None:
     so nothing else arrives; the server answers it only when the client has gone)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def reconfiguration_started(rec) -> dict:
+    """The admin split / merge answer: the change's epoch, the workers it drains (`old`) and
+    the ids the new workers will have (`new`; ACTIVE once re-carved, see `/v1/workers`)."""
+    return {"epoch": rec.epoch, "status": "draining", "old": list(rec.old_ids),
+            "new": [spec.worker_id for spec in rec.new_specs]}
 
 
 def _hold_ids(completion_id: str, n: int, chat: bool = False) -> list[str]:

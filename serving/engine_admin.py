@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from serving.policy.reconfiguration import Reconfiguration
 from serving.policy.worker import WorkerStatus, merge_buddies, split_halves
 
 # Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
@@ -20,8 +21,9 @@ RECONFIG_LOG_LIMIT = 256
 class EngineAdmin:
     """Split, merge, reconfiguration log, prefix-cache reset and worker listing of `Engine`."""
 
-    def split(self, worker_id: int) -> int:
-        """Splits an ACTIVE worker of degree 2C into its halves; returns the new epoch.
+    def split(self, worker_id: int) -> Reconfiguration:
+        """Splits an ACTIVE worker of degree 2C into its halves; returns the change (its
+        `epoch`, `old_ids` and `new_specs`: the halves' worker ids).
 
         Raises:
           StrandedRequests: (nothing changed) waiting requests that only this worker, or one
@@ -37,12 +39,13 @@ class EngineAdmin:
             raise ValueError(f"worker_id={worker_id} has cp_degree=1 and cannot be split")
         self._check_degree(w.cp_degree // 2, "split")
         specs = split_halves(w.spec, s.new_worker_ids(2), self.config.max_input_len)
-        epoch = s.begin_reconfiguration("split", [worker_id], specs, self.now()).epoch
-        self._admin_epochs.add(epoch)
-        return epoch
+        rec = s.begin_reconfiguration("split", [worker_id], specs, self.now())
+        self._admin_epochs.add(rec.epoch)
+        return rec
 
-    def merge(self, worker_ids: Sequence[int]) -> int:
-        """Merges two ACTIVE buddy workers into their aligned group; returns the new epoch.
+    def merge(self, worker_ids: Sequence[int]) -> Reconfiguration:
+        """Merges two ACTIVE buddy workers into their aligned group; returns the change (as
+        `split`).
 
         Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies.
         """
@@ -56,10 +59,9 @@ class EngineAdmin:
         a, b = sorted(ws, key=lambda w: w.spec.first_device)
         self._check_degree(2 * a.cp_degree, "merge")
         spec = merge_buddies(a.spec, b.spec, s.new_worker_ids(1)[0], self.config.max_input_len)
-        epoch = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec],
-                                        self.now()).epoch
-        self._admin_epochs.add(epoch)
-        return epoch
+        rec = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec], self.now())
+        self._admin_epochs.add(rec.epoch)
+        return rec
 
     def _check_degree(self, c: int, kind: str) -> None:
         if c not in self.degrees:

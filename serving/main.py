@@ -27,6 +27,7 @@ import sys
 
 from absl import app, flags, logging
 
+from serving.console import help_as_module
 from serving.policy.cache_manager import CacheManagerConfig
 from serving.policy.controller import ControllerConfig
 from serving.policy.queue_order import parse_queue_order
@@ -332,7 +333,8 @@ def main(argv):
 
 def run() -> None:
     """The console script `vertumnus-serve` (pyproject's `[project.scripts]`): parses the flags
-    of `sys.argv` and runs `main`, as `python -m serving.main` does."""
+    of `sys.argv` and runs `main`, as `python -m serving.main` does (`--help` included)."""
+    help_as_module(sys.modules[__name__])
     app.run(main)
 
 

@@ -115,19 +115,23 @@ def test_pins_cover_the_dependencies():
     assert test_pins["torch"] == "2.13.0"  # the CPU wheel these machines carry
 
 
-@pytest.mark.parametrize("script, flag", [("vertumnus-serve", "composition"),
-                                          ("vertumnus-loadgen", "launch_server"),
-                                          ("vertumnus-replay", "systems")])
-def test_console_scripts_run_their_tools(script, flag):
-    """What the installed script does: import the entry point, call it with `--helpfull`
-    (absl prints every flag and exits 1); a fresh process, as each tool defines its flags."""
+@pytest.mark.parametrize("script, flag, doc", [
+    ("vertumnus-serve", "composition", "The serving binary"),
+    ("vertumnus-loadgen", "launch_server", "Load generator: replays a trace"),
+    ("vertumnus-replay", "systems", "Replay a workload through simulated prefill pools")])
+def test_console_scripts_run_their_tools(script, flag, doc):
+    """What the installed script does: import the entry point, call it with `--help` (absl
+    prints the main module's docstring and key flags and exits 1), as `python -m <tool>
+    --help` does; a fresh process, as each tool defines its flags. (Before
+    `serving.console.help_as_module` the scripts printed a usage line only.)"""
     module, _, attr = PYPROJECT["scripts"][script].partition(":")
-    code = (f"import sys; sys.argv = [{script!r}, '--helpfull']\n"
+    code = (f"import sys; sys.argv = [{script!r}, '--help']\n"
             f"from {module} import {attr} as entry\nentry()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 1 and f"--{flag}:" in proc.stdout.replace("[no]", ""), \
-        proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"--{flag}:" in proc.stdout.replace("[no]", ""), proc.stdout[-2000:]
+    assert proc.stdout.lstrip().startswith(doc), proc.stdout[:500]
 
 
 def test_ci_runs_the_readme_test_command():

@@ -344,6 +344,8 @@ def define_flags(fv=None):
             (flags.DEFINE_integer, "profile_repeats", None, "Timed prefills per grid point "
              "(median; default 5).")):
         define(name, default, help_text, flag_values=fv)
+    # `--output_dir`, the name of the other tools (`eval.paper`, `eval.replay`, ...), too
+    flags.DEFINE_alias("output_dir", "out_dir", flag_values=fv)
 
 
 def config_from_flags(fv=None) -> CheckConfig:

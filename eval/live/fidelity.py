@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def measure_profile(path: str, degrees: list[int], max_len: int, block_size: int
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     comp = [int(c) for c in _COMPOSITION.value]
     os.makedirs(_OUT.value, exist_ok=True)
     profile = _PROFILE.value

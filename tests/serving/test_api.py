@@ -151,15 +151,21 @@ def test_admin_split_merge():
         assert r.status_code == 400 and "99" in r.json()["error"]["message"]
         r = c.post("/v1/workers/merge", json={"worker_ids": [0, 1]}, headers=admin)
         assert r.status_code == 400 and "not buddies" in r.json()["error"]["message"]
+        before = {x["worker_id"] for x in c.get("/v1/workers").json()["workers"]}
         r = c.post("/v1/workers/split", json={"worker_id": 0}, headers=admin)
-        assert r.status_code == 200 and r.json()["status"] == "draining"
+        split = r.json()
+        assert r.status_code == 200 and split["status"] == "draining" and split["old"] == [0]
+        assert len(split["new"]) == 2 and not set(split["new"]) & before  # fresh ids
         wait_until(lambda: c.get("/v1/workers").json()["composition"] == [2, 2, 2, 2])
         w = c.get("/v1/workers").json()
         assert w["reconfigurations"][0]["kind"] == "split"
         assert w["reconfigurations"][0]["origin"] == "admin"
+        assert w["reconfigurations"][0]["epoch"] == split["epoch"]
         ids = [x["worker_id"] for x in w["workers"]]
-        r = c.post("/v1/workers/merge", json={"worker_ids": ids[:2]}, headers=admin)
+        assert set(split["new"]) <= set(ids) and 0 not in ids  # the halves named in the answer
+        r = c.post("/v1/workers/merge", json={"worker_ids": split["new"]}, headers=admin)
         assert r.status_code == 200, r.text
+        assert sorted(r.json()["old"]) == sorted(split["new"]) and len(r.json()["new"]) == 1
         wait_until(lambda: c.get("/v1/workers").json()["composition"] == [4, 2, 2])
 
 

@@ -203,6 +203,10 @@ def test_flags_build_the_config():
     assert cfg.timing_causal == (4096, 16384, 32768) and cfg.timing_prefix == ((4096, 28672),)
     assert cfg.timing_heads == (32, 8, 128) and cfg.budget_s < 480
     assert cfg.out_dir.startswith("pallas_kernels/results/gpu_check-")
+    fv = flags.FlagValues()
+    gpu_check.define_flags(fv)
+    fv(["gpu_check", "--dry_run", "--output_dir=/tmp/y"])  # the other tools' name for it
+    assert gpu_check.config_from_flags(fv).out_dir == "/tmp/y"
 
 
 def test_gpu_targets_fail_on_a_failing_kernel():

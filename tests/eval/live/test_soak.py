@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import os
 import random
+import subprocess
+import sys
 import types
 
 import pytest
@@ -355,3 +357,13 @@ def test_walks():
     assert seen[26] == (8,)
     # alternating from 4,4 only toggles one CP-4 worker
     assert {max(c) for c in _sweep(_workers((0, 4, 0), (1, 4, 4)), 10, "alternate")} == {4}
+
+
+def test_output_dir_is_another_name_of_out_dir():
+    # (a fresh process: eval.soak's flags share names with other tools' module-level ones)
+    code = ("import sys; from absl import flags; import eval.soak\n"
+            "flags.FLAGS(['soak', '--output_dir=/tmp/soak-out']); print(flags.FLAGS.out_dir)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__))))))
+    assert proc.returncode == 0 and proc.stdout.strip() == "/tmp/soak-out", proc.stderr[-2000:]
