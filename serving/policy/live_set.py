@@ -54,8 +54,8 @@ is unchanged; a live set counts every block placed within the horizon, reused or
 small workers it can exceed the KV capacity on production traffic too. Before any placement
 is predicted to push a live block out there is no evidence of what pushed-out context does,
 and p is the share of placed blocks already live where they are placed (`reuse_rate`: how
-much live context is asked for again at all; 0 on one-off prompts, near 1 on sessions), or 1
-once live blocks were lost with none pushed out (`victim_reuse_rate`).
+much live context is asked for again at all; 0 on one-off prompts, near 1 on sessions), also
+after evidence has decayed away (`NO_EVIDENCE`).
 Before item 12 of eval/RESULTS.md it was 1: the price then kept placements off workers whose
 live set was full while another had room, so the evidence came only when every candidate's
 was, and on one-off short prompts (a synthetic stand-in) 18,167 of a 44 s run's 20,000
@@ -305,17 +305,19 @@ class LiveWorkingSet:
         chosen worker), both summed over the recent placements recorded with their match
         (the one k placements ago weighed `REUSE_DECAY ** k`), at most 1. While no placement
         has been predicted to push any out, `reuse_rate` (0 before any placement; module
-        doc) when no block was lost either, and 1 when some were (the ratio's limit as the
-        pushes go to 0: context is lost where no placement was predicted to push it out, e.g.
-        held only by workers that were no candidate). Evidence that has decayed below
+        doc), also when blocks were lost meanwhile: those were live only on workers that were
+        no candidate (draining for a split or merge, or too small for the grown prompt),
+        which says nothing of what a placement's pushes cost, and reading them as p = 1 (the
+        ratio's limit) would hold itself up, as item 12 of eval/RESULTS.md found: the price
+        keeps placements off full workers, so no push comes to correct it (measured: one
+        `eval.robustness` cell of 112 moved, +3.4 %). Evidence that has decayed below
         `NO_EVIDENCE` blocks (about 230,000 placements after the last push of one block) is
-        dropped, both sums set to 0, so the ratio never reads floats at the edge of their
-        range. A block counts as lost when it is live on some worker (placed within the
-        horizon) yet cached or promised on no candidate of the request asking for it (blocks
-        held only by workers draining for a split or merge count as lost too)."""
+        dropped, both sums set to 0 (p is `reuse_rate` again), so the ratio never reads floats
+        at the edge of their range. A block counts as lost when it is live on some worker
+        (placed within the horizon) yet cached or promised on no candidate of the request
+        asking for it (blocks held only by workers draining for a split or merge count as
+        lost too)."""
         if not self._pushed:
-            if self._lost:
-                return 1.0
             return self.reuse_rate if self._placed else 0.0
         return min(1.0, self._lost / self._pushed)
 

@@ -161,16 +161,19 @@ def test_victim_reuse_rate_before_any_push_is_the_reuse_rate():
     assert live.victim_reuse_rate == 0.0
 
 
-def test_victim_reuse_rate_is_one_when_blocks_are_lost_and_none_was_pushed_out():
-    # lost / pushed as pushed goes to 0: 8 blocks live on worker 0 (100-block cache, nothing
-    # pushed out) are asked for again by a request whose candidates hold none of them.
+def test_blocks_lost_with_none_pushed_out_leave_the_rate_at_the_reuse_rate():
+    # 8 blocks live on worker 0 (100-block cache, nothing pushed out) are asked for again by a
+    # request whose candidates hold none of them (worker 0 was no candidate): lost, but no
+    # placement's push lost them, and p stays the reuse rate (0: neither placement reused).
     live = LiveWorkingSet(60.0)
     a = list(range(1, 9))
     live.touch(0, a, 0.0, 0, 0, 100)
-    assert live.victim_reuse_rate == 0.0 and live._lost == 0.0  # reuse rate 0, nothing lost
     live.touch(1, a, 1.0, 0, 0, 100)
     assert live._pushed == 0.0 and live._lost == 8.0
-    assert live.victim_reuse_rate == 1.0 and live.reuse_rate == 0.0
+    assert live.victim_reuse_rate == live.reuse_rate == 0.0
+    live.touch(1, a, 2.0, 8, 8, 100)  # reused where placed: share 1 -> 1 / (1 + d + d^2)
+    assert live.victim_reuse_rate == live.reuse_rate == pytest.approx(
+        1 / (1 + REUSE_DECAY + REUSE_DECAY ** 2))
 
 
 def test_victim_evidence_decayed_below_the_floor_is_dropped():
