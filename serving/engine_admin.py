@@ -26,7 +26,8 @@ class EngineAdmin:
         `epoch`, `old_ids` and `new_specs`: the halves' worker ids).
 
         Raises:
-          StrandedRequests: (nothing changed) waiting requests that only this worker, or one
+          StrandedRequests: (nothing changed but two worker ids, never handed out again, as
+            ids are never reused) waiting requests that only this worker, or one
             as large, could hold (`Reconfigurations.refuse_stranding`).
           ValueError: (nothing changed) an unknown, draining or degree-1 worker.
         """
@@ -47,7 +48,8 @@ class EngineAdmin:
         """Merges two ACTIVE buddy workers into their aligned group; returns the change (as
         `split`).
 
-        Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies.
+        Raises ValueError (nothing changed) unless `worker_ids` are two ACTIVE buddies, and
+        StrandedRequests as `split` (one id used up).
         """
         s = self.scheduler
         if len(worker_ids) != 2 or len(set(worker_ids)) != 2:
@@ -58,6 +60,8 @@ class EngineAdmin:
                              f"(workers: {sorted(s.workers)})")
         a, b = sorted(ws, key=lambda w: w.spec.first_device)
         self._check_degree(2 * a.cp_degree, "merge")
+        # (checked on the old ids first: a refused merge takes no new id)
+        merge_buddies(a.spec, b.spec, a.worker_id, self.config.max_input_len)
         spec = merge_buddies(a.spec, b.spec, s.new_worker_ids(1)[0], self.config.max_input_len)
         rec = s.begin_reconfiguration("merge", [a.worker_id, b.worker_id], [spec], self.now())
         self._admin_epochs.add(rec.epoch)

@@ -163,9 +163,15 @@ def test_admin_split_merge():
         assert w["reconfigurations"][0]["epoch"] == split["epoch"]
         ids = [x["worker_id"] for x in w["workers"]]
         assert set(split["new"]) <= set(ids) and 0 not in ids  # the halves named in the answer
+        other = next(i for i in ids if i not in split["new"])  # a CP-2 of another group
+        r = c.post("/v1/workers/merge", json={"worker_ids": [split["new"][1], other]},
+                   headers=admin)
+        assert r.status_code == 400 and "not buddies" in r.json()["error"]["message"]
         r = c.post("/v1/workers/merge", json={"worker_ids": split["new"]}, headers=admin)
         assert r.status_code == 200, r.text
-        assert sorted(r.json()["old"]) == sorted(split["new"]) and len(r.json()["new"]) == 1
+        # the refused merge took no id: the merged worker's is the next after the halves'
+        assert sorted(r.json()["old"]) == sorted(split["new"])
+        assert r.json()["new"] == [max(split["new"]) + 1]
         wait_until(lambda: c.get("/v1/workers").json()["composition"] == [4, 2, 2])
 
 
