@@ -365,9 +365,9 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
     for name, rate, factor in runs:
         if rate not in demands:
             if isinstance(load, OpenLoad):
-                demands[rate] = env.demand(load.requests, rate)
+                demands[rate] = env.demand(load.requests, rate, cfg.sample_size)
             else:  # closed-loop sessions: the run's first requests, at the run's busiest KV pressure
-                sample = load.demand_sample(rate, 1000)
+                sample = load.demand_sample(rate, cfg.sample_size)
                 demands[rate] = dataclasses.replace(
                     env.demand(load.requests, load.request_rate(rate), sample=sample),
                     replay_kv_share=load.replay_kv_share(sample))

@@ -60,12 +60,17 @@ def define_flags() -> None:
     flags.DEFINE_list("seeds", ["1", "2"], "Seeds a cell above the line is re-run under "
                       "(integers; empty: none).")
     flags.DEFINE_bool("quick", False, "Short parts and two loads (smoke run).")
+    flags.DEFINE_integer("num_gpus", NUM_GPUS, "GPUs of every pool (the comparison's 40; "
+                         "another size is a workload the comparison never ran): a multiple of "
+                         "the largest CP degree, at most 1024.", lower_bound=1)
     flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
                       "strings (comma-separated, case-insensitive; empty: every part; an "
                       "unmatched one lists the part names).")
 
 
 LINE = 0.02  # issue 15: at most 2 % above the best baseline
+NUM_GPUS = 40  # the comparison's pool (`eval.paper`)
+MAX_GPUS = 1024  # a bound on `--num_gpus` (a simulated pool of 1,024 GPUs runs in minutes)
 
 
 def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
@@ -191,9 +196,11 @@ def settings_line(settings: dict) -> str:
     full one)."""
     parts_ = (f"all {len(settings['parts'])} parts" if settings["all_parts"] else
               "parts " + "; ".join(settings["parts"]))
-    return (f"Run: {'--quick (short parts, two loads), ' if settings['quick'] else ''}"
-            f"models {', '.join(settings['models'])}; {parts_}; re-run under noise seeds "
-            f"{', '.join(map(str, settings['seeds'])) or 'none'}.")
+    gpus = settings.get("num_gpus", NUM_GPUS)
+    size = f"pools of {gpus} GPUs (the comparison's: {NUM_GPUS}), " if gpus != NUM_GPUS else ""
+    quick = "--quick (short parts, two loads), " if settings["quick"] else ""
+    return (f"Run: {quick}{size}models {', '.join(settings['models'])}; {parts_}; re-run "
+            f"under noise seeds {', '.join(map(str, settings['seeds'])) or 'none'}.")
 
 
 def write_json(out: pathlib.Path, settings: dict, rows: list[dict]) -> None:
@@ -203,12 +210,15 @@ def write_json(out: pathlib.Path, settings: dict, rows: list[dict]) -> None:
 
 
 def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence[str],
-        quick: bool, only: Sequence[str] | None = ()) -> list[dict]:
-    """Runs every part (`part_loaders`) for each setup in `models`; returns the cells and
-    writes them. With `only`, just the parts `select` picks (reading only what they need).
+        quick: bool, only: Sequence[str] | None = (), num_gpus: int = NUM_GPUS) -> list[dict]:
+    """Runs every part (`part_loaders`) for each setup in `models` on pools of `num_gpus`
+    GPUs; returns the cells and writes them. With `only`, just the parts `select` picks
+    (reading only what they need).
 
     Raises:
-      ValueError: an unknown model, a seed that is not an integer, or a bad `only` (`select`).
+      ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`),
+        or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS]
+        (all checked before any output is written or trace read).
       OSError: a trace cannot be read, or the output cannot be written.
     """
     setups = {m: (d, b) for m, d, b in SETUPS}
@@ -221,12 +231,18 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
         seeds = [int(s) for s in seeds]
     except ValueError:
         raise ValueError(f"--seeds must be integers, got {list(seeds)}") from None
+    largest = max(max(setups[m][0]) for m in models)  # (every degree divides the largest)
+    if not (isinstance(num_gpus, int) and 0 < num_gpus <= MAX_GPUS
+            and num_gpus % largest == 0):
+        raise ValueError(f"--num_gpus must be a multiple of {largest} (the largest CP degree "
+                         f"of the setups run) in [{largest}, {MAX_GPUS}], got {num_gpus}")
     loaders = part_loaders(traces_dir, quick)
     chosen = select(loaders, only)
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
     settings = {"models": models, "seeds": seeds, "quick": bool(quick),  # (what the files
-                "parts": list(chosen), "all_parts": len(chosen) == len(loaders)}  # record)
+                "parts": list(chosen), "all_parts": len(chosen) == len(loaders),  # record)
+                "num_gpus": num_gpus}
     rows: list[dict] = []
     for part, (wname, load) in chosen.items():
         reqs = load()
@@ -235,6 +251,7 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
 
             def sweep(loads, seed):
                 cfg = ReplayConfig(model=model, degrees=degrees, load_factors=tuple(loads),
+                                   num_gpus=num_gpus,
                                    systems=baselines + ("vertumnus",), seed=seed,
                                    session_window_s=QUICK_AGENT_WINDOW_S if quick
                                    else AGENT_WINDOW_S)
@@ -267,7 +284,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run(FLAGS.traces_dir, FLAGS.output_dir, FLAGS.models, FLAGS.seeds, FLAGS.quick,
-            FLAGS.parts)
+            FLAGS.parts, FLAGS.num_gpus)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 

@@ -47,6 +47,28 @@ def test_capacity_rate_matches_definition(workload):
         + 8192 * env.sim.kv_bytes_per_token / (env.sim.kv_transfer_gb_per_s * 1e9))
 
 
+def test_the_demand_sample_grows_with_the_pool(workload, monkeypatch):
+    # 25 requests per GPU, never fewer than the 1,000 of the comparison's 40 GPUs; a sweep
+    # samples that many (the first ones, at the run's rate) for the replayed initial choice.
+    assert [ReplayConfig(num_gpus=g).sample_size for g in (8, 40, 41, 80, 400)] == [
+        1000, 1000, 1025, 2000, 10000]
+    seen = []
+    real = ReplayEnv.demand
+
+    def demand(self, requests, rate, sample_size=1000, sample=None):
+        seen.append(sample_size)
+        return real(self, requests, rate, sample_size, sample)
+
+    monkeypatch.setattr(ReplayEnv, "demand", demand)
+    cfg = ReplayConfig(num_gpus=48, degrees=(2, 4), load_factors=(0.8,), systems=("vertumnus",))
+    run_sweep(workload, "t", cfg)
+    assert seen == [1200]
+    reqs = workload * 3  # (ids repeat: which requests, not their order, is checked)
+    d = real(ReplayEnv.build(cfg, 512, {2, 4}), reqs, 5.0, 1200)
+    assert len(d.requests) == 1200 < len(reqs)
+    assert sorted(r.request_id for r in d.requests) == sorted(r.request_id for r in reqs[:1200])
+
+
 def test_bad_configs_name_the_field():
     with pytest.raises(ValueError, match="gpu='a100x'"):
         ReplayConfig(gpu="a100x")

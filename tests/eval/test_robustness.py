@@ -90,24 +90,36 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(rb, "part_loaders", lambda d, q: loaders)
 
     def fake_sweep(reqs, wname, cfg):
-        ran.append((wname, cfg.load_factors))
+        ran.append((wname, cfg.load_factors, cfg.num_gpus))
         return [{"system": s, "load_factor": lf, "mean_ttft_ms": 100.0, "request_rate": 1.0,
                  "composition": [4], "final_composition": [4], "reconfigurations": []}
                 for lf in cfg.load_factors for s in cfg.systems], None
 
     monkeypatch.setattr(rb, "run_sweep", fake_sweep)
     rows = rb.run(str(tmp_path), str(tmp_path / "out"), ["qwen3-32b"], [], False, [" STAND-IN "])
-    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5))] and loaded == ["short"]  # (only it read)
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 40)] and loaded == ["short"]  # (only it)
     assert {r["part"] for r in rows} == {"stand-in: short prompts (Poisson)"}
     assert all(r["change"] == 0.0 for r in rows)
     # the files say what the run was
     saved = json.loads((tmp_path / "out" / "robustness.json").read_text())
     assert saved["cells"] == rows and saved["settings"] == {
         "models": ["qwen3-32b"], "seeds": [], "quick": False,
-        "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False}
+        "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False, "num_gpus": 40}
     assert (tmp_path / "out" / "robustness.md").read_text().splitlines()[0] == (
         "Run: models qwen3-32b; parts stand-in: short prompts (Poisson); re-run under noise "
         "seeds none.")
+    # another pool size: every sweep on it, and the files say so
+    ran.clear()
+    rb.run(str(tmp_path), str(tmp_path / "out16"), ["qwen3-32b"], [], False, ["stand-in"], 16)
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 16)]
+    assert (tmp_path / "out16" / "robustness.md").read_text().startswith(
+        "Run: pools of 16 GPUs (the comparison's: 40), models qwen3-32b;")
+    for gpus, models in ((4, ["qwen3-32b"]), (0, ["qwen3-32b"]), (12, ["qwen3-32b"]),
+                         (12, ["qwen3-30b-a3b", "qwen3-32b"]), (6, ["qwen3-30b-a3b"]),
+                         (2048, ["qwen3-30b-a3b"]), (10**20, ["qwen3-30b-a3b"])):
+        with pytest.raises(ValueError, match=r"--num_gpus must be a multiple of [48] "):
+            rb.run(str(tmp_path), str(tmp_path / "bad"), models, [], False, [], gpus)
+    assert not (tmp_path / "bad").exists()  # refused before the output folder is made
     for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
                          ([" ", ""], r"has only blank entries"),
                          ("stand-in", r"only must be a sequence of strings, not the string")):
