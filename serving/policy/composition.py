@@ -37,7 +37,9 @@ mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its 
 is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change at a
 time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
 change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
-noisy windows cannot make it flap. Every evaluation is logged in `decisions`: the candidates
+noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
+not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers: a
+window of a passing burst predicts a gain the arrivals after it do not give. Every evaluation is logged in `decisions`: the candidates
 compared and their predicted mean TTFT, whether a change was made and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
@@ -55,12 +57,11 @@ historical demand.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from serving.policy.checks import require_finite
+from serving.policy.composition_config import CompositionConfig  # (its users import it here)
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
 from serving.policy.whatif import (Sample, Window, replay_ttft, steps_between,
@@ -68,47 +69,6 @@ from serving.policy.whatif import (Sample, Window, replay_ttft, steps_between,
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
                                    merge_buddies, split_halves)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompositionConfig:
-    """Knobs of `CompositionController` (module doc); times in seconds.
-
-    Raises:
-      ValueError: naming the field, for a value out of range.
-    """
-
-    interval_s: float = 30.0
-    window_s: float = 60.0
-    max_samples: int = 400
-    min_gain: float = 0.25
-    min_gain_s: float = 0.005
-    cooldown_s: float = 60.0
-    reverse_after_s: float = 600.0
-    recarve_s: float = 1.0
-    lam: float = 1.0
-    min_degree: int = 1
-    max_degree: int = 8
-
-    def __post_init__(self) -> None:
-        require_finite(self, ("interval_s", "window_s", "min_gain", "min_gain_s", "cooldown_s",
-                              "reverse_after_s", "recarve_s", "lam"))
-        if not (self.interval_s > 0 and self.window_s > 0):
-            raise ValueError(f"interval_s and window_s must be > 0 s, got {self.interval_s}, "
-                             f"{self.window_s}")
-        if self.max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {self.max_samples}")
-        for name in ("min_gain", "min_gain_s", "cooldown_s", "reverse_after_s", "recarve_s",
-                     "lam"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("min_degree", "max_degree"):
-            c = getattr(self, name)
-            if not isinstance(c, int) or c < 1 or c & (c - 1):
-                raise ValueError(f"{name} must be a power of two >= 1, got {c!r}")
-        if self.min_degree > self.max_degree:
-            raise ValueError(f"need min_degree <= max_degree, got {self.min_degree}, "
-                             f"{self.max_degree}")
 
 
 class CompositionController:
@@ -133,6 +93,10 @@ class CompositionController:
         self.decisions: list[dict] = []
         self._samples: deque = deque()  # (time, input_len, cached_len, request_id)
         self._observed: set = set()  # the request ids in `_samples`
+        # (time, input_len, cached_len) of the last arrivals, kept past the window for the
+        # horizon a change stands for (`_loses_on_horizon`)
+        self._horizon: deque = deque(maxlen=4 * config.max_samples)
+        self._vetoed: str | None = None  # the change `_loses_on_horizon` refused, if any
         self._next_eval = None
         self._quiet_until = 0.0
         self._last = (None, -float("inf"))  # (kind, time) of the last change made
@@ -160,6 +124,7 @@ class CompositionController:
         if rid in self._observed:
             return
         self._samples.append((now, request.input_len, cached_len, rid))
+        self._horizon.append((now, request.input_len, cached_len))
         self._observed.add(rid)
         if request.input_len > self.longest:
             self.longest = request.input_len
@@ -225,6 +190,9 @@ class CompositionController:
                          else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
                               f"{figures[0][1] * 1e3:.1f} ms staying" + (
                                   "; overloaded: next evaluation when done" if urgent else ""))
+        elif self._vetoed is not None:
+            entry["reason"] = (f"{self._vetoed} beats staying by the margin on the window but "
+                               f"not on the last {cfg.reverse_after_s:g} s of arrivals")
         else:
             entry["reason"] = "no candidate beats staying by the margin" if not early else \
                 "early (backlog beyond the plan): no overload step pays"
@@ -270,6 +238,7 @@ class CompositionController:
         load is past the overload threshold, and no change but the overload rule's. `elapsed`:
         seconds from the sample's first arrival to now (the load's span)."""
         cfg = self.config
+        self._vetoed = None
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if not active or len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))], False
@@ -340,7 +309,35 @@ class CompositionController:
                 return None, figures, False
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.insert(1, (label + " (toward the target)", ttft))
+        if self._loses_on_horizon(scheduler, active, olds, news, now, len(sample), figures):
+            self._vetoed = label
+            return None, figures, False
         return self._op(scheduler, olds, news), figures, False
+
+    def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
+                          figures: list) -> bool:
+        """Whether the change (`olds` replaced by workers of degrees `news`) loses to staying
+        on the arrivals of the last `reverse_after_s` (at most `4 * max_samples`, the most
+        recent), replayed from idle workers; the two figures are logged. A change stands that
+        long (no undoing it sooner), and a window of a passing burst predicts a gain the
+        arrivals after it do not give (a split of a CP-8 for a burst of long documents, then
+        minutes of CP-4 for them; eval/RESULTS.md). False when the horizon holds no more
+        arrivals than the window (nothing more to weigh). Not for the overload rule's steps:
+        an overloaded pool's queues grow whatever came before."""
+        cfg = self.config
+        recent = [(t, n, h) for t, n, h in self._horizon if t > now - cfg.reverse_after_s]
+        if len(recent) <= window_len:
+            return False
+        current = [w.cp_degree for w in active]
+        changed = [w.cp_degree for w in active if w not in olds] + list(news)
+        t0 = recent[0][0]
+        window = Window.of([(t - t0, n, h) for t, n, h in recent], sorted(set(current + changed)),
+                           scheduler.cost_model.predict, self.max_input_len)
+        stay, unheld = replay_ttft(current, window, cfg.lam)
+        ttft, unheld_after = replay_ttft(changed, window, cfg.lam)
+        figures += [(f"stay, the last {len(recent)} arrivals from idle workers", stay),
+                    ("the change, the same arrivals", ttft)]
+        return ttft > stay or unheld_after > unheld
 
     def _op(self, scheduler, olds, news):
         """The `begin_reconfiguration` arguments of replacing `olds` by workers of `news`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from serving.policy.cost_model import PrefillCostModel
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.profiles import generate_profile
 from serving.policy.request import Request, chain_block_hashes
-from serving.policy.worker import layout_workers
+from serving.policy.worker import WorkerState, layout_workers
 
 COST = PrefillCostModel.fit(generate_profile("h20", "qwen3-30b-a3b", (1, 2, 4, 8)))
 SIM = SimConfig(kv_transfer_gb_per_s=0.0, first_token_seconds=0.0, tick_interval=1.0)
@@ -272,3 +273,68 @@ def test_a_request_placed_again_is_one_arrival_of_the_window():
     s.tick(1.0)  # sets the first evaluation at 6 s
     s.tick(6.0)
     assert ctl.decisions[-1]["samples"] == 6, ctl.decisions
+
+
+def _horizon_case(length, gap, n):
+    """A controller that saw `n` prompts of `length` tokens, one every `gap` s from 0 s."""
+    ctl = CompositionController(CompositionConfig(min_degree=4, max_degree=8), lambda c: 100_000)
+    for i in range(n):
+        blocks = chain_block_hashes([i * 100 + k for k in range(-(-length // 512))])
+        ctl.observe(Request(f"r{i}", gap * i, length, 1, blocks, 512), 0, gap * i)
+    return ctl
+
+
+def test_a_change_must_not_lose_on_the_horizon_it_stands_for():
+    # A change stands `reverse_after_s` (600 s; no undoing it sooner), so besides the window it
+    # is weighed on the last 600 s of arrivals, replayed from idle workers. [8, 8] after 30K-
+    # token prompts every 0.5 s: the two CP-8 take turns (T8 = 0.77 s < 1 s apart), no prompt
+    # waits, staying's mean TTFT is T8 exactly. Split one: the one CP-8 left is busy when the
+    # next prompt comes (0.5 s < T8), which waits or runs on CP-4 (T4 = 1.49 s): the split
+    # loses and is refused.
+    t8, t4 = COST.predict(8, 30_000, 0), COST.predict(4, 30_000, 0)
+    assert 0.5 < t8 < 1.0 < t4
+    active = [WorkerState(s) for s in layout_workers([8, 8], 10_000, 100_000)]
+    sched = types.SimpleNamespace(cost_model=COST)
+    ctl = _horizon_case(30_000, 0.5, 1200)  # arrivals at 0 .. 599.5 s
+    figures = []
+    assert ctl._loses_on_horizon(sched, active, active[:1], [4, 4], 600.0, 120, figures)
+    (label, stay), (_, split) = figures
+    assert label == "stay, the last 1199 arrivals from idle workers"  # (the one at 0 s is out)
+    assert stay == pytest.approx(t8, rel=1e-12) and split > 1.05 * t8, figures
+    # the horizon holds no more than the window's 1,199 arrivals: nothing more to weigh
+    assert not ctl._loses_on_horizon(sched, active, active[:1], [4, 4], 600.0, 1199, [])
+    # 2,000-token prompts at 100 a second, more than [8, 8] serves (2 / T8 = 63 a second) and
+    # than [4, 4, 8] does (2 / T4 + 1 / T8 = 72): both queue, the split less, and it is kept
+    t8, t4 = COST.predict(8, 2000, 0), COST.predict(4, 2000, 0)
+    assert 2 / t8 < 2 / t4 + 1 / t8 < 100
+    ctl, figures = _horizon_case(2000, 0.01, 1600), []
+    assert not ctl._loses_on_horizon(sched, active, active[:1], [4, 4], 16.0, 400, figures)
+    assert figures[1][1] < figures[0][1], figures
+
+
+def test_a_change_refused_on_the_horizon_is_logged_and_the_overload_rule_is_exempt(
+        monkeypatch):
+    # Every change is taken as losing on the horizon: the merge of the test above (long prompts
+    # on [2, 2]) is not made, and the log says why; the overload rule's splits (90 req/s on
+    # [8, 8]) are made all the same (an overloaded pool's queues grow whatever came before).
+    monkeypatch.setattr(CompositionController, "_loses_on_horizon", lambda *a: True)
+    reqs = [Request(f"r{i}", t, 20_000, 1, chain_block_hashes([i * 100 + k for k in range(40)]),
+                    512) for i, t in enumerate(poisson(120, 0.4, 3))]
+    cfg = CompositionConfig(interval_s=10.0, cooldown_s=10.0, min_degree=2, max_degree=4)
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    simulate(reqs, layout_workers([2, 2], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
+             SIM, setup=[ctl.attach])
+    assert not [d for d in ctl.decisions if d.get("kind")]
+    refused = [d for d in ctl.decisions if "on the window but" in d["reason"]]
+    assert refused and refused[0]["reason"] == (
+        "merge [0, 1] beats staying by the margin on the window but not on the last 600 s of "
+        "arrivals"), ctl.decisions[:3]
+    times = poisson(2700, 90.0, 2)
+    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
+    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
+                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    ctl = CompositionController(CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1,
+                                                  max_degree=8), lambda c: 100_000)
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
+             SIM, setup=[ctl.attach])
+    assert ctl.decisions[0].get("kind") == "split", ctl.decisions[0]
