@@ -39,8 +39,9 @@ time, then `cooldown_s` (except after an overload's step or a refused prompt's m
 change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
 noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
 not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers: a
-window of a passing burst predicts a gain the arrivals after it do not give. Every evaluation is logged in `decisions`: the candidates
-compared and their predicted mean TTFT, whether a change was made and why.
+window of a passing burst predicts a gain the arrivals after it do not give. Every evaluation is
+logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change
+was made and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
