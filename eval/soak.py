@@ -42,6 +42,7 @@ import logging
 import secrets
 import sys
 
+import httpx
 from absl import app, flags
 
 from eval.live.soak import SoakConfig, run_soak
@@ -126,6 +127,10 @@ def main(argv):
                              "integers") from None
     if len(lengths) not in (1, 2):
         raise app.UsageError("--prompt_lengths is min,max (or one length)")
+    if not _OUT.value:
+        raise app.UsageError("--out_dir must name a folder")
+    if flags.FLAGS["out_dir"].present > flags.FLAGS["output_dir"].present > 0:
+        raise app.UsageError("give the output folder once: --out_dir or its alias --output_dir")
     if _URL.value and not _ADMIN_KEY.value:
         raise app.UsageError("--url needs --admin_api_key (the server's admin key)")
     url = _URL.value or f"http://127.0.0.1:{_PORT.value}"
@@ -151,6 +156,10 @@ def main(argv):
         result, path = run_soak(cfg, server_flags, _OUT.value)
     except RuntimeError as e:  # the server did not start or was not healthy
         sys.exit(f"error: {e}")
+    except OSError as e:  # --out_dir cannot be made or written
+        sys.exit(f"error: --out_dir={_OUT.value!r}: {e}")
+    except httpx.TransportError as e:  # --url unreachable (or the server went away)
+        sys.exit(f"error: {url}: {type(e).__name__}: {e}")
     print(table(result))
     for line in result["failures"]:
         print(f"FAILED: {line}")

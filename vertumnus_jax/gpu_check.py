@@ -353,6 +353,9 @@ def config_from_flags(fv=None) -> CheckConfig:
     given overriding it."""
     from absl import flags
     f = flags.FLAGS if fv is None else fv
+    if f["out_dir"].present > f["output_dir"].present > 0:
+        raise SystemExit("error: give the output folder once: --out_dir or its alias "
+                         "--output_dir")
     over = {"parts": tuple(p.strip() for p in f.only if p.strip())}
     for name, conv in (("out_dir", str), ("budget_s", float), ("timing_iters", int),
                        ("profile_repeats", int), ("profile_layers", int)):

@@ -94,8 +94,7 @@ class CompositionController:
         self.decisions: list[dict] = []
         self._samples: deque = deque()  # (time, input_len, cached_len, request_id)
         self._observed: set = set()  # the request ids in `_samples`
-        # (time, input_len, cached_len) of the last arrivals, kept past the window for the
-        # horizon a change stands for (`_loses_on_horizon`)
+        # (time, input_len, cached_len) of the last arrivals, past the window (horizon rule)
         self._horizon: deque = deque(maxlen=4 * config.max_samples)
         self._vetoed: str | None = None  # the change `_loses_on_horizon` refused, if any
         self._next_eval = None
@@ -120,10 +119,12 @@ class CompositionController:
     def observe(self, request: Request, cached_len: int, now: float) -> None:
         """Records a placed request (its expected cached prefix) for the next evaluation, once:
         a request placed again (re-routed when its worker drained for a change, or was lost)
-        is no new arrival."""
+        is no new arrival. A time before the last one recorded is taken as that (sorted)."""
         rid = request.request_id
         if rid in self._observed:
             return
+        if self._horizon and now < self._horizon[-1][0]:
+            now = self._horizon[-1][0]
         self._samples.append((now, request.input_len, cached_len, rid))
         self._horizon.append((now, request.input_len, cached_len))
         self._observed.add(rid)
@@ -192,8 +193,7 @@ class CompositionController:
                               f"{figures[0][1] * 1e3:.1f} ms staying" + (
                                   "; overloaded: next evaluation when done" if urgent else ""))
         elif self._vetoed is not None:
-            entry["reason"] = (f"{self._vetoed} beats staying by the margin on the window but "
-                               f"not on the last {cfg.reverse_after_s:g} s of arrivals")
+            entry["reason"] = self._vetoed
         else:
             entry["reason"] = "no candidate beats staying by the margin" if not early else \
                 "early (backlog beyond the plan): no overload step pays"
@@ -309,26 +309,30 @@ class CompositionController:
                                   and gain >= cfg.min_gain_s):
                 return None, figures, False
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
+            figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
-        if self._loses_on_horizon(scheduler, active, olds, news, now, len(sample), figures):
-            self._vetoed = label
+        horizon = self._loses_on_horizon(scheduler, active, olds, news, now, len(sample),
+                                         figures)
+        if horizon is not None:
+            self._vetoed = (f"{label} beats staying by the margin on the window but not on "
+                            f"{horizon}")
             return None, figures, False
         return self._op(scheduler, olds, news), figures, False
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
-                          figures: list) -> bool:
-        """Whether the change (`olds` replaced by workers of degrees `news`) loses to staying
-        on the arrivals of the last `reverse_after_s` (at most `4 * max_samples`, the most
-        recent), replayed from idle workers; the two figures are logged. A change stands that
-        long (no undoing it sooner), and a window of a passing burst predicts a gain the
-        arrivals after it do not give (a split of a CP-8 for a burst of long documents, then
-        minutes of CP-4 for them; eval/RESULTS.md). False when the horizon holds no more
-        arrivals than the window (nothing more to weigh). Not for the overload rule's steps:
-        an overloaded pool's queues grow whatever came before."""
+                          figures: list) -> str | None:
+        """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
+        staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
+        most recent: the span is logged) replayed from idle workers, else those arrivals ("the
+        last N arrivals (S s)"); both figures are logged. A change stands that long, and a
+        passing burst's window predicts a gain later arrivals do not give (a CP-8 split for a
+        burst of long documents; eval/RESULTS.md). Holding fewer arrivals loses, then a higher
+        mean TTFT over them (a tie does not). None when the horizon holds no more arrivals than
+        the window. Not for the overload rule: an overloaded pool's queues grow regardless."""
         cfg = self.config
         recent = [(t, n, h) for t, n, h in self._horizon if t > now - cfg.reverse_after_s]
         if len(recent) <= window_len:
-            return False
+            return None
         current = [w.cp_degree for w in active]
         changed = [w.cp_degree for w in active if w not in olds] + list(news)
         t0 = recent[0][0]
@@ -336,9 +340,12 @@ class CompositionController:
                            scheduler.cost_model.predict, self.max_input_len)
         stay, unheld = replay_ttft(current, window, cfg.lam)
         ttft, unheld_after = replay_ttft(changed, window, cfg.lam)
-        figures += [(f"stay, the last {len(recent)} arrivals from idle workers", stay),
+        span = f"the last {len(recent)} arrivals ({now - t0:.0f} s)"
+        figures += [(f"stay, {span} from idle workers", stay),
                     ("the change, the same arrivals", ttft)]
-        return ttft > stay or unheld_after > unheld
+        if unheld_after != unheld:
+            return span if unheld_after > unheld else None
+        return span if ttft > stay else None
 
     def _op(self, scheduler, olds, news):
         """The `begin_reconfiguration` arguments of replacing `olds` by workers of `news`."""

@@ -207,6 +207,11 @@ def test_flags_build_the_config():
     gpu_check.define_flags(fv)
     fv(["gpu_check", "--dry_run", "--output_dir=/tmp/y"])  # the other tools' name for it
     assert gpu_check.config_from_flags(fv).out_dir == "/tmp/y"
+    fv = flags.FlagValues()
+    gpu_check.define_flags(fv)
+    fv(["gpu_check", "--out_dir=/tmp/x", "--output_dir=/tmp/y"])  # which one? refused
+    with pytest.raises(SystemExit, match="once: --out_dir or its alias --output_dir"):
+        gpu_check.config_from_flags(fv)
 
 
 def test_gpu_targets_fail_on_a_failing_kernel():

@@ -172,7 +172,8 @@ def test_distribution_and_prompts_and_rss():
         assert rss_mib(os.getpid()) > 1.0
     for bad in ({"repeat_fraction": 1.5}, {"prompt_lengths": (40, 12)},
                 {"prompt_lengths": (12,)}, {"max_refused_fraction": -0.1},
-                {"disconnect_fraction": 2.0}, {"disconnect_after_s": -1.0}):
+                {"disconnect_fraction": 2.0}, {"disconnect_after_s": -1.0},
+                {"degrees": (3, 5)}, {"degrees": ()}, {"degrees": (2, 128)}):
         with pytest.raises(ValueError):
             SoakConfig(url="u", admin_api_key="k", **bad)
 
@@ -367,3 +368,21 @@ def test_output_dir_is_another_name_of_out_dir():
                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                               os.path.dirname(os.path.abspath(__file__))))))
     assert proc.returncode == 0 and proc.stdout.strip() == "/tmp/soak-out", proc.stderr[-2000:]
+
+
+def test_bad_folders_and_an_unreachable_server_fail_with_a_message(tmp_path):
+    # rc 1 and one line naming the cause, no traceback (nothing listens on port 1)
+    (tmp_path / "file").write_text("x")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    url = ["--url=http://127.0.0.1:1", "--admin_api_key=k", "--operations=1",
+           "--request_timeout_s=5", "--reconfig_timeout_s=5"]
+    for args, said in (
+            ([f"--out_dir={tmp_path}/a", f"--output_dir={tmp_path}/b"],
+             "give the output folder once: --out_dir or its alias --output_dir"),
+            (url + [f"--out_dir={tmp_path}/file/sub"], f"error: --out_dir='{tmp_path}/file/sub'"),
+            (url + [f"--out_dir={tmp_path}/out"], "error: http://127.0.0.1:1: ConnectError")):
+        proc = subprocess.run([sys.executable, "-m", "eval.soak", *args], capture_output=True,
+                              text=True, timeout=120, cwd=root)
+        assert proc.returncode == 1 and said in proc.stderr + proc.stdout, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
