@@ -316,12 +316,12 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
     """Replays `requests` through every system of `cfg` at every rate.
 
     Each system is simulated with the ground truth and the router cost model of its own
-    parallelism (`System.parallelism`: TP systems are charged TP prefill times). The load
-    factors' capacity rate and the SLO reference use the CP profile (of the TP degrees when the
-    run has no CP system), so every system of a run sees the same rates and SLOs.
+    parallelism (`System.parallelism`: TP systems are charged TP prefill times). Capacity rate
+    and SLO use the CP profile (TP's when no system is CP): one set of rates and SLOs per run.
 
     A request trace is offered open-loop (re-timed to each rate); agent sessions closed-loop,
-    rates and load factors then counting sessions/s (`eval.offered_load`).
+    rates and load factors then counting sessions/s (`eval.offered_load`). The replayed initial
+    choice's demand sample is the run's first requests, at most half of them (`sample_size`).
 
     Args:
       requests: the workload: requests sorted by arrival (its own rate is replaced by each
@@ -329,8 +329,7 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
       trace_name: a label written into each result.
       cfg: the comparison.
       progress: show a tqdm bar over (system, rate) runs.
-      on_records: called after each run as `on_records(system_name, rate, records)` with the
-        run's `RequestRecord`s (one per request), e.g. to keep per-request data.
+      on_records: called after each run as `on_records(system_name, rate, records)`.
 
     Returns:
       `(results, env)`: one dict per (system, rate) — `eval.metrics.summarize` keys plus
@@ -362,12 +361,13 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
         runs = tqdm(runs, desc=f"replay {trace_name}", unit="run")
     results = []
     demands = {}
+    sample_size = max(1, min(cfg.sample_size, len(load.requests) // 2))
     for name, rate, factor in runs:
         if rate not in demands:
             if isinstance(load, OpenLoad):
-                demands[rate] = env.demand(load.requests, rate, cfg.sample_size)
+                demands[rate] = env.demand(load.requests, rate, sample_size)
             else:  # closed-loop sessions: the run's first requests, at the run's busiest KV pressure
-                sample = load.demand_sample(rate, cfg.sample_size)
+                sample = load.demand_sample(rate, sample_size)
                 demands[rate] = dataclasses.replace(
                     env.demand(load.requests, load.request_rate(rate), sample=sample),
                     replay_kv_share=load.replay_kv_share(sample))

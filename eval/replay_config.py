@@ -15,9 +15,9 @@ from eval.systems import expand_systems
 from serving.policy.profiles import GPUS, MODELS
 
 
-# The demand sample of the replayed initial choice (`ReplayConfig.sample_size`): 1,000 requests
-# on the comparison's 40 GPUs, the size every committed result at 40 GPUs or fewer used.
-MIN_SAMPLE, SAMPLE_PER_GPU = 1000, 25
+# The demand sample of the replayed initial choice (`ReplayConfig.sample_size`): at least 4,000
+# requests (the comparison's 40 GPUs and any pool up to 160), 25 per GPU beyond.
+MIN_SAMPLE, SAMPLE_PER_GPU = 4000, 25
 
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig:
@@ -128,11 +128,16 @@ class ReplayConfig:
     @property
     def sample_size(self) -> int:
         """Requests in the demand sample the replayed initial choice simulates
-        (`ReplayEnv.demand`): `SAMPLE_PER_GPU` per GPU, at least `MIN_SAMPLE`. The replay
-        judges queueing on each worker, so it needs as many requests per worker on a large
-        pool as on the comparison's 40 GPUs (1,000 there): with 1,000 on 80 GPUs it ranked
-        twenty CP-4 first on bursty short prompts (+4.5 % against `homogeneous-cp2`), with
-        2,000 a CP-4/CP-2 mix (-5.1 %; eval/RESULTS.md, where this rule was found)."""
+        (`ReplayEnv.demand`): `SAMPLE_PER_GPU` per GPU, at least `MIN_SAMPLE`. The sample is
+        the trace's first requests, so it must outlast the trace's warm-up: on the tool-agent
+        generator (seed 2, Qwen3-32B at 2.0) 1,000 requests are two minutes of session starts,
+        before contexts grow and caches fill, and the replay ranked five CP-8 first (+7.3 %
+        against `homogeneous-cp4` run), 4,000 ten CP-4 (-17.9 %). And it judges queueing on
+        each worker, so a large pool needs as many requests per worker: with 1,000 on 80 GPUs
+        it ranked twenty CP-4 first on bursty short prompts (+4.5 %), with 2,000 a CP-4/CP-2
+        mix (-5.1 %). Both found on those cells (eval/RESULTS.md, items 9 and 14). A sweep
+        takes at most half of the workload's requests (`run_sweep`): the replay never sees the
+        whole run it is judged on."""
         return max(MIN_SAMPLE, SAMPLE_PER_GPU * self.num_gpus)
 
     @property

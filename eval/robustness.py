@@ -9,9 +9,9 @@ of its workloads, each a workload the comparison never ran whole:
   its own capacity rate;
 - the agent session files taken alternately in name order (first, third, ... and second,
   fourth, ...), 80 sessions each;
-- Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0);
+- Tool-Agent and the L-Eval CSV drawn with seed 1 (the comparison uses 0; `--draw_seed`);
 - four synthetic stand-ins for production traffic we have no trace of
-  (`eval.traces.synthetic.SYNTHETIC`, drawn with seed 1: one-off short prompts under Poisson
+  (`eval.traces.synthetic.SYNTHETIC`, drawn with the same seed: one-off short prompts under Poisson
   and bursty arrivals, one system prompt before short questions, mid-length prompts), swept
   at the code trace's load factors (the system prompt, cached, at 2 to 8: `LOADS`).
 
@@ -63,6 +63,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_gpus", NUM_GPUS, "GPUs of every pool (the comparison's 40; "
                          "another size is a workload the comparison never ran): a multiple of "
                          "the largest CP degree, at most 1024.", lower_bound=1)
+    flags.DEFINE_integer("draw_seed", DRAW_SEED, "Seed of the parts drawn or generated "
+                         "(Tool-Agent, the L-Eval CSV's order, the stand-ins); another one is "
+                         "a workload no result was tuned on.", lower_bound=0)
     flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
                       "strings (comma-separated, case-insensitive; empty: every part; an "
                       "unmatched one lists the part names).")
@@ -71,6 +74,7 @@ def define_flags() -> None:
 LINE = 0.02  # issue 15: at most 2 % above the best baseline
 NUM_GPUS = 40  # the comparison's pool (`eval.paper`)
 MAX_GPUS = 1024  # a bound on `--num_gpus` (a simulated pool of 1,024 GPUs runs in minutes)
+DRAW_SEED = 1  # the drawn parts' seed (the comparison's own draws use 0)
 
 
 def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
@@ -90,11 +94,12 @@ def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
     return out[0], out[1]
 
 
-def part_loaders(traces_dir: str, quick: bool
+def part_loaders(traces_dir: str, quick: bool, draw_seed: int = DRAW_SEED
                  ) -> dict[str, tuple[str, Callable[[], object]]]:
     """Part name -> (the workload it is a part of, a function that builds its requests or
     sessions). Nothing is read until a function is called; each trace is read and halved
-    once."""
+    once. `draw_seed`: the seed of Tool-Agent, of the L-Eval CSV's order and of the stand-ins
+    (in their names)."""
     d = pathlib.Path(traces_dir)
     n = QUICK_REQUESTS if quick else None
 
@@ -110,13 +115,14 @@ def part_loaders(traces_dir: str, quick: bool
     for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
         out[f"agents, session files {label}"] = ("agents", lambda sl=sl: load_sessions(
             d / TRACE_FILES["agents"], subset=sl))
-    out["toolagent, generated with seed 1"] = ("toolagent", lambda: tool_agent_workload(
-        duration_s=600.0 if quick else 3600.0, seed=1)[:n])
-    out["leval-csv (L-Eval CSV), drawn with seed 1"] = ("leval-csv", lambda: load_trace(
-        d / TRACE_FILES["leval-csv"], rate=1.0, seed=1).requests[:n])
+    out[f"toolagent, generated with seed {draw_seed}"] = ("toolagent", lambda: (
+        tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=draw_seed)[:n]))
+    out[f"leval-csv (L-Eval CSV), drawn with seed {draw_seed}"] = ("leval-csv", lambda: (
+        load_trace(d / TRACE_FILES["leval-csv"], rate=1.0, seed=draw_seed).requests[:n]))
     for name, config in SYNTHETIC.items():  # (a cached system prompt: its own load factors)
         out[f"stand-in: {name}"] = ("synthetic-prefix" if config.shared_prefix_len else
-                                    "synthetic", lambda c=config: synthetic_workload(c, 1)[:n])
+                                    "synthetic",
+                                    lambda c=config: synthetic_workload(c, draw_seed)[:n])
     return out
 
 
@@ -199,6 +205,9 @@ def settings_line(settings: dict) -> str:
     gpus = settings.get("num_gpus", NUM_GPUS)
     size = f"pools of {gpus} GPUs (the comparison's: {NUM_GPUS}), " if gpus != NUM_GPUS else ""
     quick = "--quick (short parts, two loads), " if settings["quick"] else ""
+    draw = settings.get("draw_seed", DRAW_SEED)
+    size += f"drawn parts with seed {draw} (the committed run's: {DRAW_SEED}), " if (
+        draw != DRAW_SEED) else ""
     return (f"Run: {quick}{size}models {', '.join(settings['models'])}; {parts_}; re-run "
             f"under noise seeds {', '.join(map(str, settings['seeds'])) or 'none'}.")
 
@@ -210,15 +219,17 @@ def write_json(out: pathlib.Path, settings: dict, rows: list[dict]) -> None:
 
 
 def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence[str],
-        quick: bool, only: Sequence[str] | None = (), num_gpus: int = NUM_GPUS) -> list[dict]:
+        quick: bool, only: Sequence[str] | None = (), num_gpus: int = NUM_GPUS,
+        draw_seed: int = DRAW_SEED) -> list[dict]:
     """Runs every part (`part_loaders`) for each setup in `models` on pools of `num_gpus`
     GPUs; returns the cells and writes them. With `only`, just the parts `select` picks
-    (reading only what they need).
+    (reading only what they need). `draw_seed`: the drawn parts' seed (`part_loaders`).
 
     Raises:
       ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`),
-        or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS]
-        (all checked before any output is written or trace read).
+        or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS], or
+        `draw_seed` not an integer >= 0 (all checked before any output is written or trace
+        read).
       OSError: a trace cannot be read, or the output cannot be written.
     """
     setups = {m: (d, b) for m, d, b in SETUPS}
@@ -236,13 +247,15 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
             and num_gpus % largest == 0):
         raise ValueError(f"--num_gpus must be a multiple of {largest} (the largest CP degree "
                          f"of the setups run) in [{largest}, {MAX_GPUS}], got {num_gpus}")
-    loaders = part_loaders(traces_dir, quick)
+    if isinstance(draw_seed, bool) or not isinstance(draw_seed, int) or draw_seed < 0:
+        raise ValueError(f"--draw_seed must be an integer >= 0, got {draw_seed!r}")
+    loaders = part_loaders(traces_dir, quick, draw_seed)
     chosen = select(loaders, only)
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
     settings = {"models": models, "seeds": seeds, "quick": bool(quick),  # (what the files
                 "parts": list(chosen), "all_parts": len(chosen) == len(loaders),  # record)
-                "num_gpus": num_gpus}
+                "num_gpus": num_gpus, "draw_seed": draw_seed}
     rows: list[dict] = []
     for part, (wname, load) in chosen.items():
         reqs = load()
@@ -284,7 +297,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run(FLAGS.traces_dir, FLAGS.output_dir, FLAGS.models, FLAGS.seeds, FLAGS.quick,
-            FLAGS.parts, FLAGS.num_gpus)
+            FLAGS.parts, FLAGS.num_gpus, FLAGS.draw_seed)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -48,10 +49,11 @@ def test_capacity_rate_matches_definition(workload):
 
 
 def test_the_demand_sample_grows_with_the_pool(workload, monkeypatch):
-    # 25 requests per GPU, never fewer than the 1,000 of the comparison's 40 GPUs; a sweep
-    # samples that many (the first ones, at the run's rate) for the replayed initial choice.
-    assert [ReplayConfig(num_gpus=g).sample_size for g in (8, 40, 41, 80, 400)] == [
-        1000, 1000, 1025, 2000, 10000]
+    # 25 requests per GPU, never fewer than 4,000 (a trace's warm-up); a sweep samples that
+    # many (the first ones, at the run's rate) for the replayed initial choice, at most half of
+    # the run's requests (568 here: 284).
+    assert [ReplayConfig(num_gpus=g).sample_size for g in (8, 40, 160, 161, 400)] == [
+        4000, 4000, 4000, 4025, 10000]
     seen = []
     real = ReplayEnv.demand
 
@@ -60,11 +62,14 @@ def test_the_demand_sample_grows_with_the_pool(workload, monkeypatch):
         return real(self, requests, rate, sample_size, sample)
 
     monkeypatch.setattr(ReplayEnv, "demand", demand)
-    cfg = ReplayConfig(num_gpus=48, degrees=(2, 4), load_factors=(0.8,), systems=("vertumnus",))
+    cfg = ReplayConfig(num_gpus=168, degrees=(2, 4), load_factors=(0.8,), systems=("vertumnus",))
     run_sweep(workload, "t", cfg)
-    assert seen == [1200]
+    assert len(workload) == 568 and seen == [284]
+    monkeypatch.setattr("eval.replay_config.MIN_SAMPLE", 100)  # (so the config's size binds)
+    run_sweep(workload, "t", dataclasses.replace(cfg, num_gpus=8))
+    assert seen == [284, 200]  # 25 x 8 GPUs
     reqs = workload * 3  # (ids repeat: which requests, not their order, is checked)
-    d = real(ReplayEnv.build(cfg, 512, {2, 4}), reqs, 5.0, 1200)
+    d = real(ReplayEnv.build(cfg, 512, {2, 4}), reqs, 5.0, 1200)  # (any size: the first ones)
     assert len(d.requests) == 1200 < len(reqs)
     assert sorted(r.request_id for r in d.requests) == sorted(r.request_id for r in reqs[:1200])
 

@@ -87,7 +87,7 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     loaders = {"code (Azure code), first half": ("code", lambda: loaded.append("code") or []),
                "stand-in: short prompts (Poisson)": (
                    "synthetic", lambda: loaded.append("short") or [])}
-    monkeypatch.setattr(rb, "part_loaders", lambda d, q: loaders)
+    monkeypatch.setattr(rb, "part_loaders", lambda d, q, s=1: loaders)
 
     def fake_sweep(reqs, wname, cfg):
         ran.append((wname, cfg.load_factors, cfg.num_gpus))
@@ -104,7 +104,8 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "out" / "robustness.json").read_text())
     assert saved["cells"] == rows and saved["settings"] == {
         "models": ["qwen3-32b"], "seeds": [], "quick": False,
-        "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False, "num_gpus": 40}
+        "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False, "num_gpus": 40,
+        "draw_seed": 1}
     assert (tmp_path / "out" / "robustness.md").read_text().splitlines()[0] == (
         "Run: models qwen3-32b; parts stand-in: short prompts (Poisson); re-run under noise "
         "seeds none.")
@@ -137,3 +138,10 @@ def test_every_part_has_load_factors_and_reads_nothing_until_built(tmp_path):
     assert len(loaders) == 14 and all(w in LOADS for w, _ in loaders.values())
     assert loaders["stand-in: one system prompt"][0] == "synthetic-prefix"
     assert len(loaders["stand-in: mid-length prompts"][1]()) == 1500  # --quick: QUICK_REQUESTS
+    # another draw seed: the drawn parts' names say it, and their requests differ
+    other = part_loaders(str(tmp_path / "no traces here"), quick=True, draw_seed=2)
+    assert "toolagent, generated with seed 2" in other and "toolagent, generated with seed 1" \
+        not in other and len(other) == 14
+    a = loaders["stand-in: short prompts (Poisson)"][1]()
+    b = other["stand-in: short prompts (Poisson)"][1]()
+    assert [r.input_len for r in a] != [r.input_len for r in b]
