@@ -135,9 +135,9 @@ class ReplayConfig:
         against `homogeneous-cp4` run), 4,000 ten CP-4 (-17.9 %). And it judges queueing on
         each worker, so a large pool needs as many requests per worker: with 1,000 on 80 GPUs
         it ranked twenty CP-4 first on bursty short prompts (+4.5 %), with 2,000 a CP-4/CP-2
-        mix (-5.1 %). Both found on those cells (eval/RESULTS.md, items 9 and 14). A sweep
-        takes at most half of the workload's requests (`run_sweep`): the replay never sees the
-        whole run it is judged on."""
+        mix (-5.1 %). Both found on those cells (eval/RESULTS.md: item 14; "Other pool
+        sizes"). A sweep takes at most half of the workload's requests (`run_sweep`): the
+        replay never sees the whole run it is judged on."""
         return max(MIN_SAMPLE, SAMPLE_PER_GPU * self.num_gpus)
 
     @property
