@@ -321,7 +321,7 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
 
     A request trace is offered open-loop (re-timed to each rate); agent sessions closed-loop,
     rates and load factors then counting sessions/s (`eval.offered_load`). The replayed initial
-    choice's demand sample is the run's first requests, at most half of them (`sample_size`).
+    choice's demand sample is the run's first requests (of a trace at most half of them).
 
     Args:
       requests: the workload: requests sorted by arrival (its own rate is replaced by each
@@ -361,13 +361,13 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
         runs = tqdm(runs, desc=f"replay {trace_name}", unit="run")
     results = []
     demands = {}
-    sample_size = max(1, min(cfg.sample_size, len(load.requests) // 2))
     for name, rate, factor in runs:
         if rate not in demands:
             if isinstance(load, OpenLoad):
-                demands[rate] = env.demand(load.requests, rate, sample_size)
+                demands[rate] = env.demand(load.requests, rate, max(1, min(
+                    cfg.sample_size, len(load.requests) // 2)))
             else:  # closed-loop sessions: the run's first requests, at the run's busiest KV pressure
-                sample = load.demand_sample(rate, sample_size)
+                sample = load.demand_sample(rate, cfg.session_sample_size)
                 demands[rate] = dataclasses.replace(
                     env.demand(load.requests, load.request_rate(rate), sample=sample),
                     replay_kv_share=load.replay_kv_share(sample))

@@ -18,6 +18,8 @@ from serving.policy.profiles import GPUS, MODELS
 # The demand sample of the replayed initial choice (`ReplayConfig.sample_size`): at least 4,000
 # requests (the comparison's 40 GPUs and any pool up to 160), 25 per GPU beyond.
 MIN_SAMPLE, SAMPLE_PER_GPU = 4000, 25
+# Closed-loop sessions' sample (`ReplayConfig.session_sample_size`), as before item 14.
+MIN_SESSION_SAMPLE = 1000
 
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig:
@@ -136,9 +138,19 @@ class ReplayConfig:
         each worker, so a large pool needs as many requests per worker: with 1,000 on 80 GPUs
         it ranked twenty CP-4 first on bursty short prompts (+4.5 %), with 2,000 a CP-4/CP-2
         mix (-5.1 %). Both found on those cells (eval/RESULTS.md: item 14; "Other pool
-        sizes"). A sweep takes at most half of the workload's requests (`run_sweep`): the
-        replay never sees the whole run it is judged on."""
+        sizes"). A sweep of a request trace takes at most half of its requests (`run_sweep`):
+        the replay never sees the whole run it is judged on. Closed-loop sessions use
+        `session_sample_size`."""
         return max(MIN_SAMPLE, SAMPLE_PER_GPU * self.num_gpus)
+
+    @property
+    def session_sample_size(self) -> int:
+        """Requests in the demand sample of closed-loop agent sessions (`SessionLoad.
+        demand_sample`): `SAMPLE_PER_GPU` per GPU, at least `MIN_SESSION_SAMPLE`. Their sample
+        already stands for the run's steady state (each worker's KV cut to the share of the
+        busiest working set it holds, eval/RESULTS.md item 9), and at low session rates 4,000
+        requests would be the whole run (1,647 requests at 0.1 sessions/s of the comparison)."""
+        return max(MIN_SESSION_SAMPLE, SAMPLE_PER_GPU * self.num_gpus)
 
     @property
     def system_names(self) -> list[str]:

@@ -65,7 +65,8 @@ def define_flags() -> None:
                          "the largest CP degree, at most 1024.", lower_bound=1)
     flags.DEFINE_integer("draw_seed", DRAW_SEED, "Seed of the parts drawn or generated "
                          "(Tool-Agent, the L-Eval CSV's order, the stand-ins); another one is "
-                         "a workload no result was tuned on.", lower_bound=0)
+                         "a workload no result was tuned on (0 is eval.paper's own draw).",
+                         lower_bound=1)
     flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
                       "strings (comma-separated, case-insensitive; empty: every part; an "
                       "unmatched one lists the part names).")
@@ -228,8 +229,8 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
     Raises:
       ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`),
         or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS], or
-        `draw_seed` not an integer >= 0 (all checked before any output is written or trace
-        read).
+        `draw_seed` not an integer in [1, 2**63) (all checked before any output is written or
+        trace read).
       OSError: a trace cannot be read, or the output cannot be written.
     """
     setups = {m: (d, b) for m, d, b in SETUPS}
@@ -247,8 +248,9 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
             and num_gpus % largest == 0):
         raise ValueError(f"--num_gpus must be a multiple of {largest} (the largest CP degree "
                          f"of the setups run) in [{largest}, {MAX_GPUS}], got {num_gpus}")
-    if isinstance(draw_seed, bool) or not isinstance(draw_seed, int) or draw_seed < 0:
-        raise ValueError(f"--draw_seed must be an integer >= 0, got {draw_seed!r}")
+    if isinstance(draw_seed, bool) or not isinstance(draw_seed, int) or not (
+            1 <= draw_seed < 2 ** 63):  # (0 draws `eval.paper`'s own workloads)
+        raise ValueError(f"--draw_seed must be an integer in [1, 2**63), got {draw_seed!r}")
     loaders = part_loaders(traces_dir, quick, draw_seed)
     chosen = select(loaders, only)
     out = pathlib.Path(output_dir)

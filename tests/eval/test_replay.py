@@ -54,6 +54,9 @@ def test_the_demand_sample_grows_with_the_pool(workload, monkeypatch):
     # the run's requests (568 here: 284).
     assert [ReplayConfig(num_gpus=g).sample_size for g in (8, 40, 160, 161, 400)] == [
         4000, 4000, 4000, 4025, 10000]
+    # closed-loop sessions keep theirs: 25 per GPU, at least 1,000
+    assert [ReplayConfig(num_gpus=g).session_sample_size for g in (8, 40, 41, 80)] == [
+        1000, 1000, 1025, 2000]
     seen = []
     real = ReplayEnv.demand
 

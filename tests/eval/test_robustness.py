@@ -121,6 +121,18 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=r"--num_gpus must be a multiple of [48] "):
             rb.run(str(tmp_path), str(tmp_path / "bad"), models, [], False, [], gpus)
     assert not (tmp_path / "bad").exists()  # refused before the output folder is made
+    for seed in (0, -1, 2 ** 63, True, 1.5, "2"):  # (0: eval.paper's own draw)
+        with pytest.raises(ValueError, match=r"--draw_seed must be an integer in \[1, 2\*\*63\)"):
+            rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-32b"], [], False, [], 40, seed)
+    assert not (tmp_path / "bad").exists()
+    # another draw: the sweeps get the seed's parts, and the files say so
+    seen = []
+    monkeypatch.setattr(rb, "part_loaders", lambda d, q, s=1: seen.append(s) or loaders)
+    rb.run(str(tmp_path), str(tmp_path / "out2"), ["qwen3-32b"], [], False, ["stand-in"], 40, 2)
+    assert seen == [2] and json.loads((tmp_path / "out2" / "robustness.json").read_text())[
+        "settings"]["draw_seed"] == 2
+    assert (tmp_path / "out2" / "robustness.md").read_text().startswith(
+        "Run: drawn parts with seed 2 (the committed run's: 1), models qwen3-32b;")
     for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
                          ([" ", ""], r"has only blank entries"),
                          ("stand-in", r"only must be a sequence of strings, not the string")):
