@@ -155,7 +155,7 @@ def run() -> None:
         workload = scale_to_rate(requests, rate)
     except ValueError as e:
         raise ValueError(f"--trace={_TRACE.value}: {e}") from None
-    demand = env.demand(requests, rate)
+    demand = env.demand(requests, rate, cfg.open_loop_sample_size(len(requests)))
     names = list(dict.fromkeys(cfg.system_names))  # "homogeneous" may repeat a named one
 
     def simulate(system) -> int:

@@ -364,8 +364,8 @@ def run_sweep(requests: Sequence[Request] | SessionWorkload, trace_name: str, cf
     for name, rate, factor in runs:
         if rate not in demands:
             if isinstance(load, OpenLoad):
-                demands[rate] = env.demand(load.requests, rate, max(1, min(
-                    cfg.sample_size, len(load.requests) // 2)))
+                demands[rate] = env.demand(load.requests, rate,
+                                           cfg.open_loop_sample_size(len(load.requests)))
             else:  # closed-loop sessions: the run's first requests, at the run's busiest KV pressure
                 sample = load.demand_sample(rate, cfg.session_sample_size)
                 demands[rate] = dataclasses.replace(

@@ -99,7 +99,8 @@ def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,
                "|---|---|---|---|---|---|"]
         at = data[f"{rate:g}"] = {}
         for name in systems:
-            system = env.build_system(name, env.demand(first, light_rate))
+            system = env.build_system(name, env.demand(
+                first, light_rate, cfg.open_loop_sample_size(len(reqs))))
             records, sched = simulate_system(env, cfg, system, reqs)
             per = summarize_phases(records, phases)
             overall = summarize(records)

@@ -179,7 +179,8 @@ def part_reconfig(wls: dict, quick: bool) -> tuple[dict, list[str]]:
     data, md = {}, ["| system | phase | requests | mean TTFT (ms) | P90 TTFT (ms) | tok-w SLO att. |",
                     "|---|---|---|---|---|---|"]
     for name in ("homogeneous-cp2", "homogeneous-cp4", "vertumnus-static", "vertumnus"):
-        system = env.build_system(name, env.demand(reqs[: len(reqs) // 3], phases[0].rate))
+        system = env.build_system(name, env.demand(reqs[: len(reqs) // 3], phases[0].rate,
+                                                   cfg.open_loop_sample_size(len(reqs))))
         records, sched = simulate_system(env, cfg, system, reqs)
         per = summarize_phases(records, phases)
         for ph in phases:

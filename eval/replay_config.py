@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 
 from eval.sim.simulator import SimConfig
@@ -142,6 +143,20 @@ class ReplayConfig:
         the replay never sees the whole run it is judged on. Closed-loop sessions use
         `session_sample_size`."""
         return max(MIN_SAMPLE, SAMPLE_PER_GPU * self.num_gpus)
+
+    def open_loop_sample_size(self, run_requests: int) -> int:
+        """Requests in the demand sample of an open-loop run of `run_requests` requests:
+        `sample_size`, at most half of the run (and at least 1), so the replay never sees the
+        whole run it is judged on (but for a run of one request). Every open-loop caller of `ReplayEnv.demand` uses it
+        (`run_sweep`, `eval.paper`'s time-varying demand, `eval.load_shift`, `eval.bench_sim`).
+
+        Raises:
+          ValueError: unless run_requests is an int >= 1.
+        """
+        if isinstance(run_requests, bool) or not isinstance(run_requests, numbers.Integral) \
+                or run_requests < 1:
+            raise ValueError(f"run_requests must be an int >= 1, got {run_requests!r}")
+        return max(1, min(self.sample_size, int(run_requests) // 2))
 
     @property
     def session_sample_size(self) -> int:

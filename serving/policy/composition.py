@@ -26,7 +26,8 @@ window shows: the change that lowers the load most is made if it cuts the excess
 queues' growth) by a fifth of the margin (logged as `split [id] (load L)`, L the load after it) and
 its predicted mean TTFT is no worse than staying's, and the next evaluation comes as soon as the
 change is done (no `cooldown_s`: each step drains one worker for about a second, while an
-overloaded queue grows by the second), which goes on while the load is above 1. (A window a little
+overloaded queue grows by the second), which goes on while the load is above 1, its later steps
+not held to staying's prediction (the window holds a step's drain, not the growth it stops). (A window a little
 above 1 is as often a burst the pool absorbs: split for it, large-degree workers lose the latency
 they were chosen for; measured on the comparison's Qwen3-32B cells.) The replay has no prefix
 caches, so it cannot see what a split costs in cached context (a re-carved cache, workers each able
@@ -100,12 +101,9 @@ class CompositionController:
         self._next_eval = None
         self._quiet_until = 0.0
         self._last = (None, -float("inf"))  # (kind, time) of the last change made
-        # the longest prompt seen or expected (historical demand): a split never leaves no
-        # worker able to hold it
-        self.longest = longest
+        self.longest = longest  # seen or expected: a split leaves a worker able to hold it
         self._unheld: Request | None = None  # the longest prompt submitted no worker held
-        # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc),
-        # the backlog at the last evaluation plus the mean TTFT it predicted for staying
+        # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc)
         self._replan_at: float | None = None
         self._plan_stay = 0.0
         self._chain = False  # the last evaluation made an overload step
@@ -284,9 +282,10 @@ class CompositionController:
             return None, figures, False
         if load > over:  # overloaded: queues grow whatever the window shows; add capacity first
             best = min(options, key=lambda o: o[4])
-            # the queues grow with the excess `load - 1`: cut it by a fifth of the margin, at
-            # a predicted mean TTFT no worse than staying's
-            if best[4] < load - (load - 1.0) * cfg.min_gain / 5 and best[0] <= stay:
+            # the queues grow with the excess `load - 1`: cut it by a fifth of the margin (the
+            # first step at a predicted mean TTFT no worse than staying's; module doc)
+            if best[4] < load - (load - 1.0) * cfg.min_gain / 5 and (self._chain
+                                                                    or best[0] <= stay):
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
                 return self._op(scheduler, best[2], best[3]), figures, True
         if early:  # between evaluations only the overload rule acts

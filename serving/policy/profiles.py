@@ -374,13 +374,13 @@ def _main(argv):
     write_profile_csv(table, F.out)
     print(f"wrote {len(table)} rows to {F.out} ({F.gpu}, {F.model}, {F.parallelism})")
     fit = PrefillCostModel.fit(table)
-    print("\n| C | a (s) | b (s/token) | g (s/token^2) | d (s/token) | mean rel err "
-          "| max rel err |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| C | a (s) | b (s/token) | g (s/token^2) | d (s/token) | floor (s) "
+          "| from new tokens | mean rel err | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c, (mean, mx) in fit.fit_error().items():
-        k = fit.coefficients(c)
-        print(f"| {c} | {k['a']:.4g} | {k['b']:.4g} | {k['g']:.4g} | {k['d']:.4g} "
-              f"| {mean:.2%} | {mx:.2%} |")
+        k, (f, nf) = fit.coefficients(c), fit.floors()[c]
+        print(f"| {c} | {k['a']:.4g} | {k['b']:.4g} | {k['g']:.4g} | {k['d']:.4g} | {f:.4g} "
+              f"| {nf} | {mean:.2%} | {mx:.2%} |")
     print("\n| input_len | " + " | ".join(f"C={c} (s)" for c in degrees) + " |")
     print("|---|" + "---|" * len(degrees))
     for L in (8192, 32768, 131072):

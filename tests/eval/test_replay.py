@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from eval.experiment import ReplayConfig, ReplayEnv, run_sweep
@@ -75,6 +76,17 @@ def test_the_demand_sample_grows_with_the_pool(workload, monkeypatch):
     d = real(ReplayEnv.build(cfg, 512, {2, 4}), reqs, 5.0, 1200)  # (any size: the first ones)
     assert len(d.requests) == 1200 < len(reqs)
     assert sorted(r.request_id for r in d.requests) == sorted(r.request_id for r in reqs[:1200])
+
+
+def test_open_loop_sample_is_the_config_size_at_most_half_the_run():
+    cfg = ReplayConfig(num_gpus=40)  # sample_size 4,000
+    assert [cfg.open_loop_sample_size(n) for n in (1, 2, 3, 5000, 8000, 8001, 10**6)] == [
+        1, 1, 1, 2500, 4000, 4000, 4000]
+    assert ReplayConfig(num_gpus=400).open_loop_sample_size(10**6) == 10000
+    assert cfg.open_loop_sample_size(np.int64(5000)) == 2500
+    for bad in (0, -3, 2.0, True, "10"):
+        with pytest.raises(ValueError, match="run_requests"):
+            cfg.open_loop_sample_size(bad)
 
 
 def test_bad_configs_name_the_field():

@@ -127,14 +127,14 @@ def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
     assert split["early"] and 40.0 < split["time"] < 50.0, ctl.decisions[:3]
 
 
-@pytest.mark.parametrize("rate, step", [(90.0, False), (110.0, True)])
+@pytest.mark.parametrize("rate, step", [(90.0, False), (115.0, True)])
 def test_the_load_counts_each_degree_at_its_own_cost(rate, step):
     # 16 GPUs as [4, 4, 4, 2, 2]; 2,000-token prompts, one every 1 / rate s. Per request CP-4
-    # takes T4, CP-2 T2 seconds: the pool serves 3 / T4 + 2 / T2 such requests a second (85.2
+    # takes T4, CP-2 T2 seconds: the pool serves 3 / T4 + 2 / T2 such requests a second (88.3
     # with this cost model); counted at the fewest GPU-seconds (CP-2's, as if all 16 GPUs ran
-    # at CP-2: 16 / (2 T2) = 96 a second) 90 a second looked like 94 %. The load is logged at
-    # every evaluation; past 1 + min_gain (110 a second: 1.29) the overload rule splits a CP-4
-    # at once; 90 a second (1.06) is left to the replay's margins.
+    # at CP-2: 16 / (2 T2) = 97.6 a second) 90 a second looked like 92 %. The load is logged at
+    # every evaluation; past 1 + min_gain (115 a second: 1.30) the overload rule splits a CP-4
+    # at once; 90 a second (1.02) is left to the replay's margins.
     t2, t4 = COST.predict(2, 2000, 0), COST.predict(4, 2000, 0)
     assert 3 / t4 + 2 / t2 < 90.0 < 16 / (2 * t2)
     reqs = [Request(f"r{i}", i / rate, 2000, 1, chain_block_hashes([i * 10 + k for k in range(4)]),

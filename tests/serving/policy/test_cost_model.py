@@ -57,7 +57,7 @@ def test_fit_is_relative_error_least_squares_on_perturbed_case():
     y[1] *= 1.10
     y[4] *= 0.95
     table = {"cp": np.ones(6, np.int64), "input_len": L, "cached_len": h, "seconds": y}
-    model = PrefillCostModel.fit(table)
+    model = PrefillCostModel.fit(table, floor=False)  # the form alone (floors: their own file)
     # Independent solver of the same problem: bounded least squares on rows divided by y.
     X = np.stack([np.ones(6), (L - h).astype(float), (L * L - h * h).astype(float)], axis=1)
     scale = np.linalg.norm(X / y[:, None], axis=0)
