@@ -26,11 +26,11 @@ bound by reading the weights, not by its tokens (the roofline: Williams, Waterma
 Patterson, "Roofline", CACM 2009; `serving.policy.profiles.analytic_prefill_seconds` takes
 each layer's max(compute, memory)), which the closed form cannot express: fitted through the
 floor's rows it predicted 13.9 ms for a 128-token prefill at C = 4 where the profile has
-21.1 ms, and 5 % too much at 1-4K tokens, so it favoured large degrees on short prompts
+21.1 ms, and 4-9 % too much at 1-4K tokens, so it favoured large degrees on short prompts
 (eval/RESULTS.md, item 15). The form is then fitted to the rows it predicts at or above the
 floor, until that set is stable (an active-set fit of the hinge max(f, T); the fit of least
 squared relative error over all rows, the floor's included, is kept, and the form alone with
-no floor where that fits better, as on a noisy profile of a compute-bound model can).
+no floor where that fits better, as it can on a noisy profile of a compute-bound model).
 `floor=False`, or coefficients without floors, is the paper's form alone.
 """
 
