@@ -147,8 +147,9 @@ class ReplayConfig:
     def open_loop_sample_size(self, run_requests: int) -> int:
         """Requests in the demand sample of an open-loop run of `run_requests` requests:
         `sample_size`, at most half of the run (and at least 1), so the replay never sees the
-        whole run it is judged on (but for a run of one request). Every open-loop caller of `ReplayEnv.demand` uses it
-        (`run_sweep`, `eval.paper`'s time-varying demand, `eval.load_shift`, `eval.bench_sim`).
+        whole run it is judged on (but for a run of one request). Every open-loop caller of
+        `ReplayEnv.demand` uses it (`run_sweep`, `eval.paper`'s time-varying demand,
+        `eval.load_shift`, `eval.bench_sim`).
 
         Raises:
           ValueError: unless run_requests is an int >= 1.

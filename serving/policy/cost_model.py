@@ -168,7 +168,7 @@ class PrefillCostModel:
             f, nf = 0.0, 0
             if floor and full.any():  # the quickest full prefill, from the shortest one on
                 f, nf = float(yc[full].min()), int(Lc[full].min())
-            x = _fit_relative(A, nonnegative, c, yc)
+            x = plain = _fit_relative(A, nonnegative, c, yc)
             if f > 0.0:
                 # The rows the form puts below the floor are the floor's; refit the form on the
                 # others until that set is stable (an active-set fit of the hinge max(f, form)),
@@ -187,7 +187,6 @@ class PrefillCostModel:
                     if obj < best:
                         best, best_x = obj, x
                 x = best_x
-                plain = _fit_relative(A, nonnegative, c, yc)
                 if _objective(A, plain, np.zeros_like(yc)) < best:  # the form alone fits better
                     x, f, nf, lo = plain, 0.0, 0, np.zeros_like(yc)
             else:
