@@ -9,7 +9,25 @@ tip z and CP degree C:
 - **intra-degree replication**: `access(z, C) / ReplicaCount(z, C) > intra_high` requests per
   replica per scan -> one more replica at degree C;
 - **reclamation**: `ReplicaCount(z, C) >= 2` and `access(z, C) / ReplicaCount(z, C) <
-  reclaim_low` -> free z's tail on the most loaded holder of degree C.
+  reclaim_low` -> free z's tail on the most loaded holder of degree C; where the router keeps
+  live working sets (`serving.policy.live_set`, its `live`), only on a holder whose live set
+  (the blocks placed on it within the horizon) is at least its KV capacity.
+
+The last condition is ours, not the paper's. A cache evicts least recently used blocks, so while
+a worker's live set fits, what its next writes evict is mostly context no placement has used
+within the horizon: freeing a replica there frees little that is needed and loses a copy that
+may be (a session's context on the worker it returns to: the access counts decay within
+seconds, the session comes back within minutes). Where the live set does not fit, the writes
+push out live context, and a replica kept elsewhere is the cheapest to give up. Two kinds of
+blocks the live set does not count make that approximate: a replica this manager copied in is
+cached, more recently used than older live context, yet placed by no request (a cold one is
+exactly what the rule leaves in place while the live set fits), and a worker made by a split or
+merge starts with an empty live set under its new id while its cache holds its predecessors'
+context, so no replica is reclaimed on it for up to one horizon. Measured on the comparison
+(`eval.paper`, `vertumnus` against `vertumnus-nocache` at each load; eval/RESULTS.md item 16):
+with the paper's rule the manager cost the agent sessions up to 9.8 % mean TTFT below the
+highest load, and with this one it is neutral there; the reclaims under pressure kept the
+Mooncake long documents' gain from the manager (up to 2.8 %).
 
 A copy sends only the blocks the destination lacks, to the worker of degree C with the longest
 retained ancestor path of z, then enough free blocks, then the shortest copy, then the lowest
@@ -23,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from serving.policy.checks import require_finite
+from serving.policy.live_set import LiveWorkingSet
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.replication import SCALEOUT_GB_PER_S, check_transfer_args, link_gb_per_s
 from serving.policy.worker import WorkerStatus
@@ -177,7 +196,13 @@ class PrefixCacheManager:
                    and (w, chain[-1]) not in scheduler.copies.reclaims]
         if len(holders) < 2:
             return False
-        victim = max(holders, key=lambda w: (scheduler.workers[w].outstanding_seconds(now), w))
+        workers, live = scheduler.workers, getattr(scheduler.router, "live", None)
+        if isinstance(live, LiveWorkingSet):  # the live set does not fit (module doc)
+            holders = [w for w in holders
+                       if live.size(w, now) >= workers[w].spec.kv_capacity_blocks]
+            if not holders:
+                return False
+        victim = max(holders, key=lambda w: (workers[w].outstanding_seconds(now), w))
         scheduler.copies.begin_reclaim(victim, chain, now)
         self.actions.append({"time": now, "kind": "reclaim", "depth": len(chain), "cp_degree": c,
                              "worker": victim})
