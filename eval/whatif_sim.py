@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 from eval.sim.simulator import SimConfig, simulate
+from serving.policy.cost_router import live_set_of
 from serving.policy.live_set import LiveWorkingSet
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.request import Request, num_blocks
@@ -82,8 +83,8 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
         specs = _shrunk(workers(comp), kv_share, sample)  # (the same for every router)
         for name, make in routers.items():
             router = make()
-            live = getattr(router, "live", None)
-            if isinstance(live, LiveWorkingSet):  # (module doc)
+            live = live_set_of(router)
+            if live is not None:  # (module doc)
                 router.live = LiveWorkingSet(live.horizon_s, rate="reuse")
             records = simulate(sample, list(specs), cost_model, router, cost_model.predict,
                                config, prefix_index=PrefixIndex())

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from serving.policy.checks import require_finite
-from serving.policy.live_set import LiveWorkingSet
+from serving.policy.cost_router import live_set_of
 from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.replication import SCALEOUT_GB_PER_S, check_transfer_args, link_gb_per_s
 from serving.policy.worker import WorkerStatus
@@ -196,8 +196,8 @@ class PrefixCacheManager:
                    and (w, chain[-1]) not in scheduler.copies.reclaims]
         if len(holders) < 2:
             return False
-        workers, live = scheduler.workers, getattr(scheduler.router, "live", None)
-        if isinstance(live, LiveWorkingSet):  # the live set does not fit (module doc)
+        workers, live = scheduler.workers, live_set_of(scheduler.router)
+        if live is not None:  # the live set does not fit (module doc)
             holders = [w for w in holders
                        if live.size(w, now) >= workers[w].spec.kv_capacity_blocks]
             if not holders:

@@ -29,8 +29,8 @@ change is done (no `cooldown_s`: each step drains one worker for about a second,
 overloaded queue grows by the second), which goes on while the load is above 1, its later steps
 not held to staying's prediction (the window holds a step's drain, not the growth it stops).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
-workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.) The replay has no prefix
-caches, so it cannot see what a split costs in cached context (a re-carved cache, workers each able
+workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
+The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved cache, workers each able
 to keep fewer whole contexts): when the pool's reused live working set (the router's,
 `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and not the
 compute bind the pool, and no split is made (on the agent sessions the splits made there cost +69 %

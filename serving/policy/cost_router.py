@@ -307,3 +307,11 @@ class VertumnusRouter:
         if self.live is not None:
             self._placed(request, candidates, matched_blocks, best, now)
         return best
+
+
+def live_set_of(router) -> LiveWorkingSet | None:
+    """The router's live sets (its `live` attribute, as `VertumnusRouter` keeps them), or None
+    when it keeps none: no such attribute, None, or an attribute of that name that is not a
+    `LiveWorkingSet` (a plug-in router's own)."""
+    live = getattr(router, "live", None)
+    return live if isinstance(live, LiveWorkingSet) else None

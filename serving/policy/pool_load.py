@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from serving.policy.live_set import LiveWorkingSet
+from serving.policy.cost_router import live_set_of
 from serving.policy.whatif import Window
 from serving.policy.worker import WorkerState, WorkerStatus
 
@@ -24,8 +24,8 @@ def kv_pressure(scheduler, active: Sequence[WorkerState], now: float) -> float |
     LiveWorkingSet.total`; contexts of workers that left the pool within the horizon counted
     once) and their observed reuse rate `p` (blocks used once never bind the caches); None
     when the router keeps no live sets."""
-    live = getattr(scheduler.router, "live", None)
-    if not isinstance(live, LiveWorkingSet) or not active:
+    live = live_set_of(scheduler.router)
+    if live is None or not active:
         return None
     blocks = live.total(now, [w.worker_id for w in active])
     return live.reuse_rate * blocks / sum(w.spec.kv_capacity_blocks for w in active)
