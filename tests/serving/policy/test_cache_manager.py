@@ -3,41 +3,7 @@
 from __future__ import annotations
 
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
-from serving.policy.prefix_trie import GlobalPrefixTrie
-from serving.policy.request import Request, chain_block_hashes
-from serving.policy.router import LeastWorkRouter
-from serving.policy.scheduler import Scheduler
-from serving.policy.worker import layout_workers
-
-
-class Backend:
-    def __init__(self):
-        self.copies, self.reclaims = [], []
-
-    def start_prefill(self, *a):
-        pass
-
-    def replicate(self, rep, now):
-        self.copies.append(rep)
-
-    def reclaim(self, w, chain, now):
-        self.reclaims.append((w, chain))
-
-
-class Cost:
-    def predict(self, c, n, h):
-        return 1e-4 * (n - h) / c
-
-
-DOC = Request("doc", 0.0, 32 * 512 + 100, 1, chain_block_hashes(range(33)), 512)
-
-
-def setup():
-    # worker 0: CP-4 (devices 0-3); workers 1, 2: CP-2; worker 3, 4: CP-1
-    b = Backend()
-    s = Scheduler(layout_workers([4, 2, 2, 1, 1], 1000, 100_000), Cost(), LeastWorkRouter(), b,
-                  prefix_index=GlobalPrefixTrie())
-    return s, b
+from tests.serving.policy.cache_manager_fixtures import DOC, Backend, setup
 
 
 def test_inter_degree_copy_goes_to_longest_retained_ancestor_with_missing_blocks_only():

@@ -1,0 +1,46 @@
+"""Helpers shared by the prefix-cache manager's tests: a backend that records what it is asked
+to copy and reclaim, a cost model priced by hand, one 33-block document and a small pool."""
+
+from __future__ import annotations
+
+from serving.policy.prefix_trie import GlobalPrefixTrie
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.router import LeastWorkRouter
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import layout_workers
+
+
+class Backend:
+    """Records the replications and reclamations it is asked for; prefills do nothing."""
+
+    def __init__(self):
+        self.copies, self.reclaims = [], []
+
+    def start_prefill(self, *a):
+        pass
+
+    def replicate(self, rep, now):
+        self.copies.append(rep)
+
+    def reclaim(self, w, chain, now):
+        self.reclaims.append((w, chain))
+
+
+class Cost:
+    """0.1 ms per uncached token over the degree."""
+
+    def predict(self, c, n, h):
+        return 1e-4 * (n - h) / c
+
+
+DOC = Request("doc", 0.0, 32 * 512 + 100, 1, chain_block_hashes(range(33)), 512)
+
+
+def setup():
+    """A scheduler on workers of degrees [4, 2, 2, 1, 1] with a global prefix trie, and its
+    recording backend."""
+    # worker 0: CP-4 (devices 0-3); workers 1, 2: CP-2; worker 3, 4: CP-1
+    b = Backend()
+    s = Scheduler(layout_workers([4, 2, 2, 1, 1], 1000, 100_000), Cost(), LeastWorkRouter(), b,
+                  prefix_index=GlobalPrefixTrie())
+    return s, b
