@@ -18,6 +18,7 @@ from serving.policy.live_set import DEFAULT_HORIZON_S
 from serving.policy.queue_order import FCFS, SJF, QueueOrder
 from serving.policy.replication import SCALEOUT_GB_PER_S
 from serving.policy.request import RequestRecord
+from serving.policy.checks import is_power_of_two
 
 
 class Overloaded(RuntimeError):
@@ -133,7 +134,7 @@ class EngineConfig:
         if self.controller_policy not in ("paper", "whatif"):
             raise ValueError(f"controller_policy must be 'paper' or 'whatif', got "
                              f"{self.controller_policy!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_power_of_two(self.block_size):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         for name in ("kv_blocks_per_device", "max_model_len", "max_in_flight"):
             if getattr(self, name) < 1:

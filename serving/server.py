@@ -22,6 +22,7 @@ from serving.policy.profiles import read_profile_csv
 from serving.policy.request import prompt_block_hashes
 from serving.tokenizer import load_tokenizer
 from serving.policy.worker import WorkerSpec
+from serving.policy.checks import is_power_of_two
 
 # Measured with `python -m vertumnus_jax.profile --model=tiny --cpu_devices=8` on the project's
 # 2-core CI machine (serving/data/README.md); the router's estimates for the built-in model.
@@ -78,7 +79,7 @@ def usable_degrees(config: ServerConfig, num_devices: int) -> list[int]:
     Raises:
       ValueError: a degree that is not a power of two >= 1, or none that fits.
     """
-    bad = [c for c in config.degrees if not isinstance(c, int) or c < 1 or c & (c - 1)]
+    bad = [c for c in config.degrees if not is_power_of_two(c)]
     if bad:
         raise ValueError(f"degrees must be powers of two >= 1, got {list(config.degrees)}")
     degrees = sorted({c for c in config.degrees if c <= num_devices})

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from serving.policy.checks import is_power_of_two
+
 
 @dataclasses.dataclass(frozen=True)
 class SoakConfig:
@@ -82,8 +84,7 @@ class SoakConfig:
         for name in ("repeat_fraction", "max_refused_fraction", "disconnect_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not self.degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
-                                   or c > 64 or c & (c - 1) for c in self.degrees):
+        if not self.degrees or any(not is_power_of_two(c) or c > 64 for c in self.degrees):
             raise ValueError(f"degrees must be powers of two in [1, 64], at least one, got "
                              f"{self.degrees}")
         lengths = self.prompt_lengths

@@ -25,3 +25,10 @@ def require_int(obj, name: str, low: int, high: int | None = None) -> None:
             high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def is_power_of_two(value) -> bool:
+    """Whether `value` is an integer (not a bool; numpy integers too) >= 1 and a power of two
+    (a CP degree, a block size)."""
+    return (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+            and not value & (value - 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.policy.checks import require_finite, require_int
+from serving.policy.checks import is_power_of_two, require_finite, require_int
 
 MAX_SAMPLES = 1_000_000  # window samples replayed at most (the horizon keeps 4x as many)
 MAX_DEGREE = 64  # the largest CP degree the controller makes (`CompositionController._degrees`)
@@ -53,7 +53,7 @@ class CompositionConfig:
         for name in ("min_degree", "max_degree"):
             require_int(self, name, 1, MAX_DEGREE)
             c = getattr(self, name)
-            if c & (c - 1):
+            if not is_power_of_two(c):
                 raise ValueError(f"{name} must be a power of two in [1, {MAX_DEGREE}], got {c!r}")
         for name in ("max_samples", "min_degree", "max_degree"):  # (numpy integers as int)
             object.__setattr__(self, name, int(getattr(self, name)))

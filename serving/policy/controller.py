@@ -40,7 +40,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from serving.policy.checks import require_finite
+from serving.policy.checks import is_power_of_two, require_finite
 from serving.policy.request import Request
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import (WorkerStatus, are_buddies, host_degree_cap, merge_buddies,
@@ -74,7 +74,7 @@ class ControllerConfig:
                      "stable_band", "min_split_gain", "merge_margin"))
         for name in ("min_degree", "max_degree"):
             c = getattr(self, name)
-            if not isinstance(c, int) or c < 1 or c & (c - 1):
+            if not is_power_of_two(c):
                 raise ValueError(f"{name} must be a power of two >= 1, got {c!r}")
         if (self.long_threshold < 1 or self.stable_band < 0 or self.min_split_gain < 0
                 or self.merge_margin < 0):
@@ -315,7 +315,7 @@ def compositions(num_gpus: int, degrees: Sequence[int]) -> list[list[int]]:
     Raises:
       ValueError: no degree, or a degree that is not a power of two >= 1.
     """
-    if not degrees or any(not isinstance(c, int) or c < 1 or c & (c - 1) for c in degrees):
+    if not degrees or not all(map(is_power_of_two, degrees)):
         raise ValueError(f"degrees must be powers of two >= 1, got {list(degrees)}")
     ds = sorted(set(degrees), reverse=True)
     out: list[list[int]] = []

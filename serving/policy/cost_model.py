@@ -41,6 +41,8 @@ from collections.abc import Mapping
 import numpy as np
 from scipy.optimize import nnls
 
+from serving.policy.checks import is_power_of_two
+
 FORM = "a_C + b_C*n + g_C*(L^2 - h^2) + d_C*L*[C>1]"
 _NAMES = ("a", "b", "g", "d")
 _MIN_DISTINCT_ROWS = 4
@@ -98,7 +100,7 @@ class PrefillCostModel:
         coef = {}
         for c, v in coefficients.items():
             c = int(c)
-            if c < 1 or c & (c - 1):
+            if not is_power_of_two(c):
                 raise ValueError(f"cp_degree={c} must be a power of two >= 1")
             v = tuple(float(x) for x in v)
             if len(v) != 4 or not all(np.isfinite(v)):

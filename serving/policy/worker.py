@@ -16,6 +16,7 @@ import enum
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+from serving.policy.checks import is_power_of_two
 from serving.policy.request import Request
 
 
@@ -53,7 +54,7 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.worker_id < 0:
             raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
-        if self.cp_degree < 1 or self.cp_degree & (self.cp_degree - 1):
+        if not is_power_of_two(self.cp_degree):
             raise ValueError(f"cp_degree must be a power of two >= 1, got {self.cp_degree}")
         if self.first_device < 0 or self.first_device % self.cp_degree:
             raise ValueError(
@@ -159,7 +160,7 @@ def layout_workers(degrees: Sequence[int], kv_blocks_per_device: int, max_input_
     if not degrees:
         raise ValueError("degrees must name at least one worker")
     for c in degrees:
-        if not isinstance(c, int) or c < 1 or c & (c - 1):
+        if not is_power_of_two(c):
             raise ValueError(f"each CP degree must be a power of two >= 1, got {c!r} in {list(degrees)}")
     specs = []
     device = 0
@@ -201,7 +202,7 @@ def homogeneous_degrees(num_devices: int, cp_degree: int) -> list[int]:
     Raises:
       ValueError: when `cp_degree` does not divide `num_devices` or is not a power of two.
     """
-    if cp_degree < 1 or cp_degree & (cp_degree - 1):
+    if not is_power_of_two(cp_degree):
         raise ValueError(f"cp_degree must be a power of two >= 1, got {cp_degree}")
     if num_devices < cp_degree or num_devices % cp_degree:
         raise ValueError(
