@@ -164,8 +164,10 @@ class SimulatedBackend:
 
         def finish():
             self.scheduler.finish_reconfiguration(rec.epoch, done_at, blocks)
-            # (a change abandoned because its host failed activates nothing)
-            self._share({w: c for w, c in new.items() if w in self.scheduler.workers})
+            # (a change abandoned because its host failed activates nothing; a new worker that
+            # a reconfigured hook already began to re-carve has handed its cache on)
+            self._share({w: c for w, c in new.items()
+                         if w in self.scheduler.workers and self.caches.get(w) is c})
 
         self._push_call(done_at, finish)
 

@@ -24,37 +24,38 @@ degrees is asked for, above `1 + min_gain`; the paper's controller weighed every
 smallest degree, and so missed overload on large-degree workers), queues grow whatever a short
 window shows: the change that lowers the load most is made if it cuts the excess `load - 1` (the
 queues' growth) by a fifth of the margin (logged as `split [id] (load L)`, L the load after it) and
-its predicted mean TTFT is no worse than staying's, and the next evaluation comes as soon as the
-change is done (no `cooldown_s`: each step drains one worker for about a second, while an
-overloaded queue grows by the second), which goes on while the load is above 1, its later steps
-not held to staying's prediction (the window holds a step's drain, not the growth it stops).
+its predicted mean TTFT is no worse than staying's. The next evaluation comes when the change is
+done (`Scheduler.reconfigured_hooks`, not the next tick; no `cooldown_s`: a step drains one worker
+for about a second while an overloaded queue grows by the second), and the rule goes on while the
+load plus the backlog to clear by the next regular evaluation (`pool_backlog / interval_s`, logged)
+is above 1 (a step with the load at most 1 must lower it), its later steps not held to staying's
+prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
+capacity never clears what queued before).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
-The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved cache, workers each able
-to keep fewer whole contexts): when the pool's reused live working set (the router's,
-`serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and not the
-compute bind the pool, and no split is made (on the agent sessions the splits made there cost +69 %
-mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted mean TTFT
-is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change at a
-time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
+The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
+cache, workers each keeping fewer whole contexts): when the pool's reused live working set (the
+router's, `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and not
+the compute bind the pool, and no split is made (on the agent sessions the splits made there cost
++69 % mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted
+mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change
+at a time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
 change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
 noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
 not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers: a
 window of a passing burst predicts a gain the arrivals after it do not give. Every evaluation is
-logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change
-was made and why.
+logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change was
+made and why.
 
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
 worker, a step at a time with no `cooldown_s` between them, until a worker holds it (before the
 margins and `reverse_after_s`).
 
-This replaces the threshold rules of `serving.policy.controller.ReconfigurationController`
-(the paper's, kept for `vertumnus-paper`), whose load signal weighed every arrival at the
-smallest degree and so missed overload on large-degree workers, and which reconfigured under
-overload when draining costs the most. `choose_initial` picks the starting composition the same
-way (`serving.policy.whatif`), over every composition of the allowed degrees, on a sample of
-historical demand.
+This replaces the paper's threshold rules (`serving.policy.controller`, kept for `vertumnus-paper`),
+whose load weighed every arrival at the smallest degree (missing overload on large-degree workers)
+and which reconfigured under overload when draining costs the most. `choose_initial`
+(`serving.policy.whatif`) picks the starting composition by the same replay, on historical demand.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from collections.abc import Callable, Sequence
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
-from serving.policy.whatif import (Sample, Window, replay_ttft, steps_between,
+from serving.policy.whatif import (Sample, Window, moves_toward, replay_ttft,
                                    target_composition)
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
@@ -82,7 +83,7 @@ class CompositionController:
       longest: the longest prompt expected (tokens; e.g. from historical demand), so a worker
         able to hold it is kept before such a prompt is seen.
 
-    Use: `controller.attach(scheduler)` registers its placement, refusal and tick hooks;
+    Use: `controller.attach(scheduler)` registers its placement, refusal, tick, reconfigured hooks;
     `decisions` logs every evaluation (time, candidates with predicted mean TTFT, the choice,
     the reason). It plans with the workers the pool has (after `Scheduler.lose_workers`); a
     merge never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
@@ -113,6 +114,12 @@ class CompositionController:
         scheduler.placement_hooks.append(self.observe)
         scheduler.refused_hooks.append(self.refused)
         scheduler.tick_hooks.append(self.tick)
+        scheduler.reconfigured_hooks.append(self.reconfigured)
+
+    def reconfigured(self, scheduler, now: float) -> None:
+        """A change is done: evaluates now if one is due (after an overload's step; module doc)."""
+        if self._next_eval is not None and now >= max(self._next_eval, self._quiet_until):
+            self.tick(scheduler, now)
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
         """Records a placed request (its expected cached prefix) for the next evaluation, once:
@@ -244,10 +251,11 @@ class CompositionController:
         degrees = self._degrees(scheduler, active)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         load = pool_load([w.cp_degree for w in active], window, elapsed)
-        # an overload by the margin starts the overload rule; once started, it goes on while
-        # the load is above 1 (module doc)
-        over = 1.0 if self._chain else 1.0 + cfg.min_gain
-        if early and load <= over:
+        # the overload rule starts past the margin, then goes on while load + clear > 1 (module doc)
+        over, clear = (1.0, pool_backlog(active, now) / cfg.interval_s) if self._chain else (
+            1.0 + cfg.min_gain, 0.0)
+        excess = load + clear
+        if early and excess <= over:
             return None, None, False
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
@@ -278,14 +286,16 @@ class CompositionController:
         if kv_bound is not None:
             figures.append(("reused live working set / KV capacity", kv_bound))
         figures.append(("load (work / capacity) staying", load))
+        if clear:
+            figures.append(("backlog to clear by the next evaluation / capacity", clear))
         if not options:
             return None, figures, False
-        if load > over:  # overloaded: queues grow whatever the window shows; add capacity first
+        if excess > over:  # overloaded: queues grow whatever the window shows; add capacity first
             best = min(options, key=lambda o: o[4])
-            # the queues grow with the excess `load - 1`: cut it by a fifth of the margin (the
-            # first step at a predicted mean TTFT no worse than staying's; module doc)
-            if best[4] < load - (load - 1.0) * cfg.min_gain / 5 and (self._chain
-                                                                    or best[0] <= stay):
+            # cut the excess `load - 1` (the queues' growth) by a fifth of the margin, or (only
+            # the backlog left) lower the load; a first step no worse than staying (module doc)
+            if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
+                    self._chain or best[0] <= stay):
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
                 return self._op(scheduler, best[2], best[3]), figures, True
         if early:  # between evaluations only the overload rule acts
@@ -302,7 +312,8 @@ class CompositionController:
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
             # the step itself must gain too (a fifth of the margin): each one drains workers
             toward = [o for o in options if o[0] <= stay * (1 - cfg.min_gain / 5)
-                      and self._closer(active, o, target)]
+                      and moves_toward(
+                          [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
             gain = now_ttft - target_ttft
             if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
                                   and gain >= cfg.min_gain_s):
@@ -364,16 +375,6 @@ class CompositionController:
                    default=max(degrees))
         return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
                                   window, cfg.lam, degrees, need)
-
-    @staticmethod
-    def _closer(active, option, target) -> bool:
-        """Whether `option`'s change moves the degree counts toward `target`."""
-        now = sorted(w.cp_degree for w in active)
-        _, _, olds, news, _ = option
-        after = sorted([c for c in now] + list(news))
-        for w in olds:
-            after.remove(w.cp_degree)
-        return steps_between(after, list(target)) < steps_between(now, list(target))
 
     def _changes(self, active: Sequence[WorkerState], now: float, known):
         """Per degree, the split and the merge that drain first: `(old workers, new degrees)`,

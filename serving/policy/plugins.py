@@ -34,7 +34,7 @@ from typing import Any
 
 _OURS = ("serving", "eval")  # packages whose code is not a plug-in's
 _HOOK_LISTS = ("tick_hooks", "submit_hooks", "placement_hooks", "dispatch_hooks",
-               "refused_hooks")
+               "refused_hooks", "reconfigured_hooks")
 _STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 _SITE = tuple({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
 

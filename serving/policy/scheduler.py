@@ -14,7 +14,8 @@ and reservations, driven by these calls, each given `now` in seconds (it never r
 
 Collaborators own the rest: `reconfig` (`Reconfigurations`: epochs, fresh worker ids, splits
 and merges in progress), `copies` (`PrefixCopies`: copies, reclamations) and `membership`
-(`Membership`: workers lost and added); `begin_/finish_reconfiguration` touch the queues.
+(`Membership`: workers lost and added); `begin_/finish_reconfiguration` touch the queues (the
+latter then runs `reconfigured_hooks`: a controller waiting for the change evaluates at once).
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
 `RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
@@ -55,8 +56,7 @@ class Scheduler:
 
     def __init__(self, workers: Sequence[WorkerSpec], cost_model: CostModel, router: Router,
                  backend: Backend, listener: Callable[[RequestRecord], None] | None = None,
-                 prefix_index: PrefixIndex | None = None,
-                 log_limit: int | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None, log_limit: int | None = None) -> None:
         if not workers:
             raise ValueError("workers must name at least one worker")
         ids = [w.worker_id for w in workers]
@@ -81,6 +81,7 @@ class Scheduler:
         # (request, worker id, now) as a request leaves its queue, before its prefill starts
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
         self.refused_hooks: list[Callable[[Request, float], None]] = []  # none can hold it
+        self.reconfigured_hooks: list[Callable[[Scheduler, float], None]] = []  # a change done
         self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
         self.membership = Membership(self)
         self._placements: dict[str | int, Placement] = {}
@@ -279,7 +280,8 @@ class Scheduler:
 
     def finish_reconfiguration(self, epoch: int, now: float,
                                cached_blocks: dict[int, Sequence[int]]) -> None:
-        """The backend re-carved: the old workers leave, the new ones become ACTIVE.
+        """The backend re-carved: the old workers leave, the new ones become ACTIVE; then
+        `reconfigured_hooks` run (an exception of one comes out after the change is made).
 
         Args:
           epoch: the reconfiguration's epoch.
@@ -302,6 +304,8 @@ class Scheduler:
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
         self._retry_pending(now)
+        for hook in self.reconfigured_hooks:
+            hook(self, now)
 
     def lose_workers(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """A host died: `Membership.lose` (returns `LostWorkers`; ValueError: unknown ids)."""
@@ -334,9 +338,8 @@ class Scheduler:
             return None
         self.routing = (request, candidates, held)  # for the router, during `choose` only
         i, self.routing = self.router.choose(request, candidates, matched, now), None
-        worker = candidates[i]
-        spec, bs, m = worker.spec, request.block_size, matched[i]
-        cached = m * bs
+        worker, bs, m = candidates[i], request.block_size, matched[i]
+        spec, cached = worker.spec, m * bs
         estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
         placement = Placement(worker, estimate, cached)
         if self.queue_order.reorders:  # SJF key: the prefix held now, without promises
@@ -365,9 +368,8 @@ class Scheduler:
         worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
         worker.running, worker.running_start, worker.running_estimate = request, now, placement.estimate
         placement.start_time = now
-        if self.dispatch_hooks:
-            for hook in self.dispatch_hooks:
-                hook(request, worker.spec.worker_id, now)
+        for hook in self.dispatch_hooks:
+            hook(request, worker.spec.worker_id, now)
         self._backend.start_prefill(worker.spec.worker_id, request, now)
 
     def _take_running(self, worker_id: int,
@@ -377,8 +379,7 @@ class Scheduler:
             raise ValueError(f"worker {worker_id} is not running request {request_id!r}")
         request = worker.running
         if self._use_pending:
-            full = request.input_len // request.block_size
-            self.pending.remove(worker_id, request.block_hashes[:full])
+            self.pending.remove(worker_id, request.block_hashes[:request.full_blocks])
         return worker, self._placements.pop(request_id), request
 
     def _after_run(self, worker: WorkerState, now: float) -> None:

@@ -227,3 +227,13 @@ def steps_between(a: Sequence[int], b: Sequence[int]) -> int:
     if sorted(a) == sorted(b):
         return 0
     return max(1, abs(len(a) - len(b)))
+
+
+def moves_toward(current: Sequence[int], removed: Sequence[int], added: Sequence[int],
+                 target: Sequence[int]) -> bool:
+    """Whether replacing workers of degrees `removed` by workers of degrees `added` takes the
+    composition `current` (CP degrees) fewer `steps_between` from `target`."""
+    after = list(current) + list(added)
+    for c in removed:
+        after.remove(c)
+    return steps_between(after, target) < steps_between(current, target)

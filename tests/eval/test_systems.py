@@ -170,6 +170,30 @@ def test_plugin_code_failing_during_the_replay_names_the_system(attr, message):
         run_sweep(tool_agent_workload(duration_s=10.0, seed=1), "t", cfg)
 
 
+def test_every_hook_a_plugin_adds_to_the_scheduler_is_guarded():
+    # A plug-in's setup adds a hook to each of the scheduler's hook lists; each one that fails
+    # is a one-line PluginError naming the system and the hook (the re-carve hook included).
+    names = ("tick_hooks", "submit_hooks", "placement_hooks", "dispatch_hooks", "refused_hooks",
+             "reconfigured_hooks")
+    sched = type("Sched", (), {n: None for n in names})()
+    for n in names:
+        setattr(sched, n, [])
+
+    def fails(*args):
+        raise RuntimeError("hook failed")
+
+    def setup(scheduler):
+        for n in names:
+            getattr(scheduler, n).append(fails)
+
+    guard_callable("pkg:sys", "system", "setup", setup, binds=True)(sched)
+    for n in names:
+        [hook] = getattr(sched, n)
+        with pytest.raises(PluginError, match=rf"^system 'pkg:sys': {n[:-1].replace('_', ' ')} "
+                                              r".*fails raised RuntimeError: hook failed"):
+            hook(sched, 0.0)
+
+
 def test_guards_keep_the_plugin_router_and_leave_our_code_alone():
     s = build_system(f"{PLUGIN}:ExampleRouter", POOL)
     assert type(s.router) is ExampleRouter and "choose" in vars(s.router)  # guarded in place

@@ -10,7 +10,9 @@ import serving.policy.composition as composition
 from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_router import VertumnusRouter
+from serving.policy.pool_load import pool_backlog
 from serving.policy.request import Request, chain_block_hashes
+from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
 from tests.serving.policy.test_composition import COST, SIM, poisson
 
@@ -57,3 +59,67 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
         chosen = d["candidates"][1]
         assert chosen[1] > figures["stay"] and "(load " in chosen[0], d["candidates"]
         assert d["reason"].endswith("overloaded: next evaluation when done")
+
+
+class _Idle:
+    """A backend whose prefills never finish: what is submitted stays outstanding."""
+
+    def start_prefill(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("queued", [0, 600])
+def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluation(queued):
+    # [8, 8] serve about 68 2K-token prompts a second; the window holds 55 a second (load
+    # about 0.8). Started, the overload rule goes on while the load plus the backlog to clear
+    # by the next evaluation (`pool_backlog / interval_s`) is above 1: 600 prompts queued (about
+    # 8.8 s of each worker's time, 0.29 of a 30 s interval) keep it splitting; none stops it.
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), _Idle())
+    for i in range(queued):
+        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                   range(4)]), 512), 0.0)
+    backlog = pool_backlog(s.workers.values(), 0.0)
+    load = 55.0 * COST.predict(8, 2000, 0) / 2  # the window's work per second of both workers
+    assert 0.75 < load < 0.85 and (load + backlog / cfg.interval_s > 1.05 if queued
+                                   else backlog == 0.0)
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    ctl._chain = True  # (the last evaluation made an overload step)
+    op, figures, urgent = ctl._best(s, 0.0, [(i / 55.0, 2000, 0) for i in range(275)])
+    assert dict(figures)["load (work / capacity) staying"] == pytest.approx(load, rel=0.02)
+    if queued:
+        assert urgent and op[0] == "split" and "(load " in figures[1][0], figures
+    else:
+        assert not urgent and all("(load " not in label for label, _ in figures), figures
+
+
+class _LargerIsCheaper:
+    """1e-4 s per new token over C, each GPU of a smaller degree a little less efficient (as
+    on fitted profiles where CP-8 costs fewer GPU-seconds than CP-4): a split raises the
+    load."""
+
+    degrees = (1, 2, 4, 8)
+
+    @staticmethod
+    def predict(c, n, h):
+        return (n - h) * 1e-4 / c / {1: 0.985, 2: 0.99, 4: 0.995, 8: 1.0}[c]
+
+
+def test_a_started_overload_makes_no_step_that_does_not_lower_the_load():
+    # Started, with the load below 1 and a backlog that keeps load + backlog / interval above
+    # 1, a step must still cut the excess: splits that raise the load are not made (they would
+    # go on down to CP-1, or flap with merges).
+    cost = _LargerIsCheaper()
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), cost, VertumnusRouter(), _Idle())
+    for i in range(2000):
+        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                   range(4)]), 512), 0.0)
+    rate = 0.8 * 2 / cost.predict(8, 2000, 0)  # the window: a load of 0.8 on [8, 8]
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    ctl._chain = True
+    op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 0) for i in range(int(5 * rate))])
+    f = dict(figures)
+    assert f["load (work / capacity) staying"] == pytest.approx(0.8, rel=0.01)
+    assert f["backlog to clear by the next evaluation / capacity"] > 0.3  # (2000 x 12.5 ms / 2)
+    assert not urgent and all("(load " not in label for label, _ in figures), figures
