@@ -284,8 +284,7 @@ class Scheduler:
         `reconfigured_hooks` run (an exception of one comes out after the change is made).
 
         Args:
-          epoch: the reconfiguration's epoch.
-          now: seconds.
+          epoch, now: the reconfiguration's epoch; seconds.
           cached_blocks: per new worker id, the block hashes it holds after the change
             (retained prefixes stay resident; DESIGN.md "Cluster-level loops").
 
