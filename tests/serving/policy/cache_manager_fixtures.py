@@ -1,5 +1,6 @@
-"""Helpers shared by the prefix-cache manager's tests: a backend that records what it is asked
-to copy and reclaim, a cost model priced by hand, one 33-block document and a small pool."""
+"""Helpers shared by the prefix-cache manager's and the prefix trie's tests: a backend that
+records what it is asked to re-carve, copy and reclaim, a cost model priced by hand, one 33-block
+document and a small pool."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from serving.policy.worker import layout_workers
 
 
 class Backend:
-    """Records the replications and reclamations it is asked for; prefills do nothing."""
+    """Records the re-carves, replications and reclamations it is asked for; prefills do
+    nothing."""
 
     def __init__(self):
-        self.copies, self.reclaims = [], []
+        self.recarves, self.copies, self.reclaims = [], [], []
 
     def start_prefill(self, *a):
         pass
+
+    def recarve(self, rec, now):
+        self.recarves.append(rec)
 
     def replicate(self, rep, now):
         self.copies.append(rep)

@@ -14,6 +14,7 @@ from serving.policy.pool_load import pool_backlog
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
+from tests.serving.policy.cache_manager_fixtures import Backend
 from tests.serving.policy.test_composition import COST, SIM, poisson
 
 
@@ -61,13 +62,6 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
         assert d["reason"].endswith("overloaded: next evaluation when done")
 
 
-class _Idle:
-    """A backend whose prefills never finish: what is submitted stays outstanding."""
-
-    def start_prefill(self, *a):
-        pass
-
-
 @pytest.mark.parametrize("queued", [0, 600])
 def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluation(queued):
     # [8, 8] serve about 68 2K-token prompts a second; the window holds 55 a second (load
@@ -75,7 +69,8 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     # by the next evaluation (`pool_backlog / interval_s`) is above 1: 600 prompts queued (about
     # 8.8 s of each worker's time, 0.29 of a 30 s interval) keep it splitting; none stops it.
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), _Idle())
+    # (the recording backend's prefills never finish: what is submitted stays outstanding)
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
     for i in range(queued):
         s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
                                                                    range(4)]), 512), 0.0)
@@ -111,7 +106,7 @@ def test_a_started_overload_makes_no_step_that_does_not_lower_the_load():
     # go on down to CP-1, or flap with merges).
     cost = _LargerIsCheaper()
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), cost, VertumnusRouter(), _Idle())
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), cost, VertumnusRouter(), Backend())
     for i in range(2000):
         s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
                                                                    range(4)]), 512), 0.0)

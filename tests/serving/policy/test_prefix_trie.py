@@ -11,6 +11,7 @@ from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers, merge_buddies, split_halves, are_buddies
+from tests.serving.policy.cache_manager_fixtures import Backend
 
 
 def req(ids, bs=4):
@@ -39,23 +40,6 @@ def test_record_access_missed_benefit_and_decay():
     trie.decay(0.5, floor=0.6)
     assert tip not in trie.access and trie.missed[tip] == {2: 4.0}
     assert trie.tips() == [tip]
-
-
-class Backend:
-    def __init__(self):
-        self.recarves, self.copies, self.reclaims = [], [], []
-
-    def start_prefill(self, *a):
-        pass
-
-    def recarve(self, rec, now):
-        self.recarves.append(rec)
-
-    def replicate(self, rep, now):
-        self.copies.append(rep)
-
-    def reclaim(self, w, chain, now):
-        self.reclaims.append((w, chain))
 
 
 class Cost:
