@@ -94,8 +94,8 @@ class CompositionController:
         self.config = config
         self.max_input_len = max_input_len
         self.decisions: list[dict] = []
-        self._samples: deque = deque()  # (time, input_len, cached_len, request_id)
-        self._observed: set = set()  # the request ids in `_samples`
+        self._samples: deque = deque()  # (time, input_len, cached_len)
+        self._scheduler = None
         # (time, input_len, cached_len) of the last arrivals, past the window (horizon rule)
         self._horizon: deque = deque(maxlen=4 * config.max_samples)
         self._vetoed: str | None = None  # the change `_loses_on_horizon` refused, if any
@@ -123,20 +123,20 @@ class CompositionController:
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
         """Records a placed request (its expected cached prefix) for the next evaluation, once:
-        a request placed again (re-routed when its worker drained for a change, or was lost)
-        is no new arrival. A time before the last one recorded is taken as that (sorted)."""
-        rid = request.request_id
-        if rid in self._observed:
+        a request placed again (`Scheduler.rerouting`: re-routed when its worker drained for a
+        change, or was lost) is no new arrival. A time before the last one recorded is taken as
+        that (sorted)."""
+        if getattr(self._scheduler, "rerouting", False):
             return
         if self._horizon and now < self._horizon[-1][0]:
             now = self._horizon[-1][0]
-        self._samples.append((now, request.input_len, cached_len, rid))
-        self._horizon.append((now, request.input_len, cached_len))
-        self._observed.add(rid)
+        sample = (now, request.input_len, cached_len)
+        self._samples.append(sample)
+        self._horizon.append(sample)
         if request.input_len > self.longest:
             self.longest = request.input_len
         if len(self._samples) > 4 * self.config.max_samples:
-            self._observed.discard(self._samples.popleft()[3])
+            self._samples.popleft()
 
     def refused(self, request: Request, now: float) -> None:
         """Notes a prompt the scheduler refused as no worker holds it, if a worker of
@@ -159,7 +159,7 @@ class CompositionController:
             return
         samples = self._samples
         while samples and samples[0][0] <= now - cfg.window_s:
-            self._observed.discard(samples.popleft()[3])
+            samples.popleft()
         hold = self._hold_step(scheduler, now)
         if not samples and hold is None:
             if not early:
@@ -167,7 +167,7 @@ class CompositionController:
             return
         recent = list(samples)[-cfg.max_samples:]
         t0 = recent[0][0] if recent else now
-        sample = [(t - t0, n, h) for t, n, h, _ in recent]  # replayed from now on
+        sample = [(t - t0, n, h) for t, n, h in recent]  # replayed from now on
         # urgent (refused prompts, or an overload): evaluate again once the change is done
         op, figures, urgent = (*hold, True) if hold is not None else self._best(
             scheduler, now, sample, early, now - t0)

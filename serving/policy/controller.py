@@ -149,8 +149,11 @@ class ReconfigurationController:
 
         `cached_len` is the prefix the chosen worker is expected to hold (cached or promised
         by its queue), so demand counts the work the pool will really do, not what an
-        unbounded cache would save.
+        unbounded cache would save. A request placed again (`Scheduler.rerouting`: re-routed
+        when its worker drained for a change, or was lost) is no new arrival and not counted.
         """
+        if getattr(self._scheduler, "rerouting", False):
+            return
         cfg, n = self.config, request.input_len
         c = cfg.min_degree
         gpu_s = c * self._scheduler.cost_model.predict(c, n, cached_len)

@@ -20,6 +20,10 @@ promises (the same objects), so that a loss is one step that leaves consistent s
   them end as failed (`PrefixCopies.drop_workers`: the index does not change);
 - `hooks` are told (the controllers then plan with the GPUs left).
 
+It also takes requests off the queues and places them again for the scheduler (`unqueue`,
+`place_again`: a drain's re-routes, the waiting requests retried; `withdraw`: an abort), so that
+a request the router fails on is failed with that error rather than lost.
+
 A worker id is never reused: a host that comes back joins as new workers
 (`Scheduler.new_worker_ids`, then `add_workers`).
 """
@@ -30,7 +34,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from serving.policy.request import Request
+from serving.policy.placement import withdraw_queued
+from serving.policy.request import Request, RequestRecord
 from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
 
 
@@ -103,16 +108,58 @@ class Membership:
 
     def unqueue(self, worker: WorkerState) -> list[Request]:
         """Takes every queued (not started) request off `worker`: placements and promised
-        blocks released, reservation cleared. Returns them in queue order, to be re-routed."""
+        blocks released, reservation cleared, ids noted in `Scheduler.rerouted`. Returns them in
+        queue order, to be re-routed."""
         s, out = self._s, []
         while worker.queue:
             r = worker.queue.popleft()
             del s._placements[r.request_id]
+            s.rerouted.add(r.request_id)
             if s._use_pending:
                 s.pending.remove(worker.worker_id, r.block_hashes[:r.full_blocks])
             out.append(r)
         worker.queued_seconds = 0.0
         return out
+
+    def withdraw(self, request_id: str | int, now: float, reason: str) -> bool:
+        """`Scheduler.abort`: withdraws a request queued or waiting; False if running or
+        not in flight."""
+        s = self._s
+        if request_id in s._placements:
+            request = withdraw_queued(s._placements, request_id,
+                                      s.pending if s._use_pending else None)
+            if request is None:
+                return False  # running
+        else:
+            request = next((r for r in s._pending if r.request_id == request_id), None)
+            if request is None:
+                return False
+            s._pending.remove(request)
+            s.rerouted.discard(request_id)
+        s.num_aborted += 1
+        s.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
+        return True
+
+    def place_again(self, requests: Sequence[Request], now: float) -> Exception | None:
+        """Routes `requests` again, in the order given: taken off a queue (`unqueue`) or
+        waiting for a worker. One the router (or a placement hook) fails on before it is placed
+        fails, its record naming the error, and the others go on: none is lost.
+
+        Returns:
+          The first such error, for the caller to raise once its own step is done; or None.
+        """
+        s, first = self._s, None
+        for r in requests:
+            try:
+                s._route(r, now)
+            except Exception as e:  # noqa: BLE001 (given back to the caller)
+                first = first or e
+                if r.request_id not in s._placements and all(p is not r for p in s._pending):
+                    s.num_failed += 1
+                    s.rerouted.discard(r.request_id)
+                    s.listener(RequestRecord(r, finish_time=now, error=(
+                        f"routing failed: {type(e).__name__}: {e}")))
+        return first
 
     def lose(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """Removes `worker_ids` from the pool at once (`Scheduler.lose_workers`).
@@ -191,17 +238,20 @@ class Membership:
         rerouted = []
         for r in sorted(requeue, key=lambda r: r.arrival_time):
             if holdable(r):
-                rerouted.append(r.request_id)
-                s._route(r, now)
+                rerouted.append(r)
             else:
                 unplaceable.append(r)
                 fail(r)
+        error = self.place_again(rerouted, now)
         for hook in self.hooks:
             hook([w.spec for w in gone], [], now)
         out = LostWorkers(now, reason, tuple(w.worker_id for w in gone), tuple(hosts),
-                          sum(w.cp_degree for w in gone), tuple(rerouted), tuple(running),
+                          sum(w.cp_degree for w in gone), tuple(r.request_id for r in rerouted),
+                          tuple(running),
                           tuple(r.request_id for r in unplaceable), tuple(abandoned), copies)
         self.log.append({"kind": "lost", **out.as_dict()})
+        if error is not None:
+            raise error
         return out
 
     def add(self, specs: Sequence[WorkerSpec], now: float) -> list[WorkerState]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.policy.prefix_index import PendingPrefixes
+from serving.policy.request import Request
 from serving.policy.worker import WorkerState
 
 
@@ -29,3 +31,26 @@ class Placement:
     global_cached_len: int = 0
     start_time: float | None = None
     order_seconds: float = 0.0
+
+
+def withdraw_queued(placements: dict[str | int, Placement], request_id: str | int,
+                    pending: PendingPrefixes | None) -> Request | None:
+    """Takes the queued (not started) request `request_id` off its worker's queue: its
+    reservation, its entry in `placements` and (with `pending`) the blocks its prefill promised
+    are released. Returns it; None, changing nothing, when it is running (`Scheduler.abort`).
+
+    Raises:
+      KeyError: `request_id` has no placement.
+    """
+    placement = placements[request_id]
+    worker = placement.worker
+    request = next((r for r in worker.queue if r.request_id == request_id), None)
+    if request is None:
+        return None
+    worker.queue.remove(request)
+    worker.queued_seconds = (max(0.0, worker.queued_seconds - placement.estimate)
+                             if worker.queue else 0.0)
+    del placements[request_id]
+    if pending is not None:
+        pending.remove(worker.worker_id, request.block_hashes[:request.full_blocks])
+    return request

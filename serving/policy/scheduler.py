@@ -14,8 +14,9 @@ and reservations, driven by these calls, each given `now` in seconds (it never r
 
 Collaborators own the rest: `reconfig` (`Reconfigurations`: epochs, fresh worker ids, splits
 and merges in progress), `copies` (`PrefixCopies`: copies, reclamations) and `membership`
-(`Membership`: workers lost and added); `begin_/finish_reconfiguration` touch the queues (the
-latter then runs `reconfigured_hooks`: a controller waiting for the change evaluates at once).
+(`Membership`: workers lost and added, requests withdrawn or placed again);
+`begin_/finish_reconfiguration` touch the queues (the latter then runs `reconfigured_hooks`: a
+controller waiting for the change evaluates at once).
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
 `RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
@@ -82,6 +83,8 @@ class Scheduler:
         self.dispatch_hooks: list[Callable[[Request, int, float], None]] = []
         self.refused_hooks: list[Callable[[Request, float], None]] = []  # none can hold it
         self.reconfigured_hooks: list[Callable[[Scheduler, float], None]] = []  # a change done
+        self.rerouted: set[str | int] = set()  # ids taken off a queue to be placed again
+        self.rerouting = False  # True while placement hooks see one placed (no new arrival)
         self.copies = PrefixCopies(self.workers, self.prefix_index, backend, log_limit)
         self.membership = Membership(self)
         self._placements: dict[str | int, Placement] = {}
@@ -209,26 +212,7 @@ class Scheduler:
         Returns:
           True when the request was withdrawn; False when it is running or not in flight.
         """
-        placement = self._placements.get(request_id)
-        if placement is not None:
-            worker = placement.worker
-            request = next((r for r in worker.queue if r.request_id == request_id), None)
-            if request is None:
-                return False  # running
-            worker.queue.remove(request)
-            worker.queued_seconds = (max(0.0, worker.queued_seconds - placement.estimate)
-                                     if worker.queue else 0.0)
-            del self._placements[request_id]
-            if self._use_pending:
-                self.pending.remove(worker.worker_id, request.block_hashes[:request.full_blocks])
-        else:
-            request = next((r for r in self._pending if r.request_id == request_id), None)
-            if request is None:
-                return False
-            self._pending.remove(request)
-        self.num_aborted += 1
-        self.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
-        return True
+        return self.membership.withdraw(request_id, now, reason)
 
     def tick(self, now: float) -> None:
         """Runs the periodic hooks, then retries requests waiting for a worker."""
@@ -265,6 +249,8 @@ class Scheduler:
             (`Reconfigurations.check` says which rule it breaks).
           StrandedRequests: (a ValueError; nothing changed) requests queued or waiting that
             no worker of the pool after the change could hold (`Reconfigurations.stranded`).
+          Exception: (the change is made) the first error of the router or a placement hook
+            while re-routing (`Membership.place_again`: a request not placed failed with it).
         """
         waiting = [r for w in self.workers.values() for r in w.queue] + list(self._pending)
         olds = self.reconfig.admit(kind, old_ids, new_specs, self.workers, waiting)
@@ -273,15 +259,17 @@ class Scheduler:
         for w in olds:
             w.status = WorkerStatus.DRAINING
             requeue += self.membership.unqueue(w)
-        for r in sorted(requeue, key=lambda r: r.arrival_time):
-            self._route(r, now)
+        error = self.membership.place_again(sorted(requeue, key=lambda r: r.arrival_time), now)
         self._maybe_recarve(rec, now)
+        if error is not None:
+            raise error
         return rec
 
     def finish_reconfiguration(self, epoch: int, now: float,
                                cached_blocks: dict[int, Sequence[int]]) -> None:
         """The backend re-carved: the old workers leave, the new ones become ACTIVE; then
-        `reconfigured_hooks` run (an exception of one comes out after the change is made).
+        `reconfigured_hooks` run (an exception of one, or of re-routing the requests waiting
+        for a worker, comes out after the change is made and the hooks ran).
 
         Args:
           epoch, now: the reconfiguration's epoch; seconds.
@@ -302,9 +290,11 @@ class Scheduler:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
-        self._retry_pending(now)
-        for hook in self.reconfigured_hooks:
-            hook(self, now)
+        try:
+            self._retry_pending(now)
+        finally:
+            for hook in self.reconfigured_hooks:
+                hook(self, now)
 
     def lose_workers(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """A host died: `Membership.lose` (returns `LostWorkers`; ValueError: unknown ids)."""
@@ -353,8 +343,13 @@ class Scheduler:
             self.pending.add(spec.worker_id, request.block_hashes[:request.input_len // bs])
         worker.queue.append(request)
         worker.queued_seconds += estimate
-        for hook in self.placement_hooks:
-            hook(request, cached, now)
+        outer, self.rerouting = self.rerouting, request.request_id in self.rerouted
+        try:
+            for hook in self.placement_hooks:
+                hook(request, cached, now)
+        finally:  # (a hook may place another request: the flag is restored, not cleared)
+            self.rerouting = outer
+            self.rerouted.discard(request.request_id)
         if worker.running is None:
             self._dispatch(worker, now)
         return spec.worker_id
@@ -391,10 +386,13 @@ class Scheduler:
 
     def _fail_unplaced(self, request: Request, now: float, error: str) -> None:
         self.num_failed += 1
+        self.rerouted.discard(request.request_id)
         self.listener(RequestRecord(request, finish_time=now, error=error))
         for hook in self.refused_hooks:
             hook(request, now)
 
     def _retry_pending(self, now: float) -> None:
-        for _ in range(len(self._pending)):
-            self._route(self._pending.popleft(), now)
+        waiting, self._pending = list(self._pending), deque()
+        error = self.membership.place_again(waiting, now)
+        if error is not None:
+            raise error

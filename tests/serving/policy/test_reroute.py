@@ -1,0 +1,183 @@
+"""A re-routed request is placed again, not submitted again: the controllers count it once."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.policy.backend import PrefillResult
+from serving.policy.composition import CompositionController
+from serving.policy.composition_config import CompositionConfig
+from serving.policy.controller import ControllerConfig, ReconfigurationController
+from serving.policy.placement import withdraw_queued
+from serving.policy.prefix_index import PendingPrefixes
+from serving.policy.request import Request, chain_block_hashes
+from serving.policy.router import LeastWorkRouter
+from serving.policy.scheduler import Scheduler
+from serving.policy.worker import layout_workers, merge_buddies, split_halves
+
+HOLDS = lambda c: 100_000  # noqa: E731 (every worker holds every prompt here)
+
+
+class Cost:
+    def predict(self, cp_degree, input_len, cached_len):
+        return (input_len - cached_len) / 1000 / cp_degree
+
+
+class Backend:
+    def __init__(self):
+        self.started, self.recarves = [], []
+
+    def start_prefill(self, worker_id, request, now):
+        self.started.append((worker_id, request.request_id))
+
+    def recarve(self, rec, now):
+        self.recarves.append(rec)
+
+
+def req(rid, t=0.0, length=2000):
+    return Request(rid, t, length, 1, chain_block_hashes([hash((rid, k)) for k in range(4)]), 512)
+
+
+def make(degrees):
+    backend, done = Backend(), []
+    s = Scheduler(layout_workers(list(degrees), 100, 100_000), Cost(), LeastWorkRouter(), backend,
+                  done.append)
+    seen = []  # (request id, rerouting) per placement
+    s.placement_hooks.append(lambda r, cached, now: seen.append((r.request_id, s.rerouting)))
+    return s, backend, done, seen
+
+
+def test_placement_hooks_see_a_drain_reroute_as_one():
+    s, _, _, seen = make((2, 2))
+    for i in range(6):  # 0 and 1 run; 2-5 queue, two on each worker
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    on0 = [r.request_id for r in s.workers[0].queue]
+    assert len(on0) == 2
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
+    # worker 0's queued requests moved to worker 1, the only ACTIVE one, flagged as re-routes
+    assert seen == [(i, False) for i in range(6)] + [(rid, True) for rid in on0]
+    assert s.rerouted == set() and s.rerouting is False
+    s.submit(req(6, 0.2), 0.2)
+    assert seen[-1] == (6, False)
+
+
+def test_a_reroute_that_waits_is_still_one_and_its_end_clears_the_id():
+    s, backend, done, seen = make((1, 1))
+    for i in range(4):  # 0 and 1 run; 2 and 3 queue
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    ws = list(s.workers.values())
+    rec = s.begin_reconfiguration("merge", [0, 1], [merge_buddies(ws[0].spec, ws[1].spec,
+                                                                  s.new_worker_ids(1)[0], HOLDS)],
+                                  0.1)
+    assert s.rerouted == {2, 3} and len(seen) == 4  # both wait: no worker takes placements
+    assert s.abort(3, 0.2, "client gone") and s.rerouted == {2}
+    for w in (0, 1):
+        s.complete(w, w, 1.0, PrefillResult(0, 1.0, 1.0))
+    assert backend.recarves == [rec]
+    s.finish_reconfiguration(rec.epoch, 1.5, {})
+    assert seen[4:] == [(2, True)] and s.rerouted == set()
+    assert [r.request.request_id for r in done] == [3, 0, 1]
+
+
+def test_composition_controller_counts_a_reroute_older_than_its_memory_once():
+    # max_samples=1 keeps the 4 latest placements. Before, a re-routed request whose first
+    # placement had left that memory was recorded again, as an arrival at the re-route's time.
+    s, _, _, _ = make((2, 2))
+    ctl = CompositionController(CompositionConfig(max_samples=1), HOLDS)
+    ctl.attach(s)
+    for i in range(10):  # 0 and 1 run, 2-9 queue; the memory holds 6-9
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    assert [t for t, _, _ in ctl._samples] == pytest.approx([0.06, 0.07, 0.08, 0.09])
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 1.0)
+    assert len(s.workers[1].queue) == 8  # the re-routes were placed (on worker 1)
+    assert [t for t, _, _ in ctl._samples] == pytest.approx([0.06, 0.07, 0.08, 0.09])
+    assert [t for t, _, _ in ctl._horizon] == pytest.approx([0.06, 0.07, 0.08, 0.09])
+
+
+def test_paper_controller_counts_a_reroute_once():
+    s, _, _, _ = make((2, 2))
+    ctl = ReconfigurationController(ControllerConfig(), 4, HOLDS)
+    ctl.attach(s)
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    gpu_s = ctl._gpu_s
+    # each arrival counts its GPU-seconds at the smallest degree (1): 2,000 tokens = 2 s
+    assert len(ctl._arrivals) == 6 and gpu_s == pytest.approx(6 * 2.0)
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
+    assert len(ctl._arrivals) == 6 and ctl._gpu_s == gpu_s
+
+
+def test_withdraw_queued_releases_everything_or_nothing():
+    s, _, _, _ = make((1,))
+    for i in range(3):  # 0 runs; 1 and 2 queue
+        s.submit(req(i), 0.0)
+    pending = PendingPrefixes()
+    w = s.workers[0]
+    pending.add(0, req(1).block_hashes[:3])  # (its full blocks, as the scheduler promises)
+    assert pending.extend_matches(req(1).block_hashes, 3, [0], [0]) == [3]
+    assert withdraw_queued(s._placements, 0, pending) is None  # running: unchanged
+    assert 0 in s._placements and [r.request_id for r in w.queue] == [1, 2]
+    assert w.queued_seconds == pytest.approx(4.0)
+    assert withdraw_queued(s._placements, 1, pending).request_id == 1
+    assert [r.request_id for r in w.queue] == [2] and 1 not in s._placements
+    assert w.queued_seconds == pytest.approx(2.0)
+    assert pending.extend_matches(req(1).block_hashes, 3, [0], [0]) == [0]
+    with pytest.raises(KeyError):
+        withdraw_queued(s._placements, 1, None)
+
+
+def test_a_router_error_while_rerouting_fails_that_request_and_loses_none():
+    s, _, done, seen = make((2, 2))
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    on0 = [r.request_id for r in s.workers[0].queue]
+    choose = s.router.choose
+
+    def broken_once(request, candidates, matched, now):
+        if request.request_id == on0[0]:
+            raise RuntimeError("router bug")
+        return choose(request, candidates, matched, now)
+
+    s.router.choose = broken_once
+    with pytest.raises(RuntimeError, match="router bug"):
+        s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                           HOLDS), 0.1)
+    # the change is made; the request the router failed on ended with that error, the other
+    # one was placed again (before, both were taken off the queue and never seen again)
+    assert s.workers[0].status.name == "DRAINING" and len(s.reconfig.in_progress) == 1
+    assert [(r.request.request_id, r.error) for r in done] == [
+        (on0[0], "routing failed: RuntimeError: router bug")]
+    assert seen[6:] == [(on0[1], True)] and s.rerouted == set()
+    assert s.num_in_flight == 5
+
+
+def test_a_hook_that_raises_or_places_another_request_leaves_the_flag_right():
+    s, _, _, seen = make((2, 2))
+    ctl = CompositionController(CompositionConfig(max_samples=100), HOLDS)
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    on0 = [r.request_id for r in s.workers[0].queue]
+    follow = []
+
+    def hook(request, cached, now):  # a plug-in: submits a follow-up for a re-route, then fails
+        if s.rerouting and not follow:
+            follow.append(request.request_id)
+            s.submit(req(100, now), now)  # a new arrival, placed from inside the hook
+        if request.request_id == on0[1]:
+            raise ValueError("hook bug")
+
+    s.placement_hooks.insert(0, hook)
+    ctl.attach(s)  # its `observe` runs after the plug-in's hook
+    with pytest.raises(ValueError, match="hook bug"):
+        s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                           HOLDS), 0.1)
+    assert follow == [on0[0]]
+    # the follow-up counted as an arrival, neither re-route did (the one whose hook raised
+    # was placed: it stays placed and its id is not left behind)
+    assert seen[6:] == [(100, False), (on0[0], True)]
+    assert [t for t, _, _ in ctl._samples] == [0.1]
+    assert s.rerouting is False and s.rerouted == set()
+    assert on0[1] in s._placements and s.num_in_flight == 7
