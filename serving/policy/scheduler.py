@@ -137,6 +137,7 @@ class Scheduler:
 
         Raises:
           ValueError: `request.request_id` is already in flight.
+          Exception: the router's (the request was not taken) or a placement hook's (it runs).
         """
         if request.request_id in self._placements or (self._pending and any(
                 r.request_id == request.request_id for r in self._pending)):
@@ -147,7 +148,8 @@ class Scheduler:
         try:
             return self._route(request, now)
         except Exception:
-            self.num_submitted -= 1  # a router or cost-model error: the request was not taken
+            if request.request_id not in self._placements:  # (a hook's error: placed, runs)
+                self.num_submitted -= 1
             raise
 
     def complete(self, worker_id: int, request_id: str | int, now: float,
@@ -350,8 +352,8 @@ class Scheduler:
         finally:  # (a hook may place another request: the flag is restored, not cleared)
             self.rerouting = outer
             self.rerouted.discard(request.request_id)
-        if worker.running is None:
-            self._dispatch(worker, now)
+            if worker.running is None:  # (placed: it starts even if a hook raised)
+                self._dispatch(worker, now)
         return spec.worker_id
 
     def _dispatch(self, worker: WorkerState, now: float) -> None:

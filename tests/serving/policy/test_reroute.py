@@ -181,3 +181,18 @@ def test_a_hook_that_raises_or_places_another_request_leaves_the_flag_right():
     assert [t for t, _, _ in ctl._samples] == [0.1]
     assert s.rerouting is False and s.rerouted == set()
     assert on0[1] in s._placements and s.num_in_flight == 7
+
+
+def test_a_hook_error_after_a_placement_leaves_the_request_in_flight():
+    s, backend, done, _ = make((2,))
+
+    def hook(request, cached, now):
+        raise RuntimeError("hook bug")
+
+    s.placement_hooks.append(hook)
+    with pytest.raises(RuntimeError, match="hook bug"):
+        s.submit(req(0), 0.0)
+    # placed and running: it is in flight (before, it was uncounted and later went negative)
+    assert backend.started == [(0, 0)] and s.num_in_flight == 1
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
+    assert s.num_in_flight == 0 and [r.request.request_id for r in done] == [0]
