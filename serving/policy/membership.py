@@ -21,8 +21,9 @@ promises (the same objects), so that a loss is one step that leaves consistent s
 - `hooks` are told (the controllers then plan with the GPUs left).
 
 It also takes requests off the queues and places them again for the scheduler (`unqueue`,
-`place_again`: a drain's re-routes, the waiting requests retried; `withdraw`: an abort), so that
-a request the router fails on is failed with that error rather than lost.
+`place_again`: a drain's re-routes, the waiting requests retried; `withdraw`: an abort): a
+request the router fails on then fails with that error rather than being lost, and the step
+that placed it (a drain, a loss, a retry) is made whole, its errors kept in `errors`.
 
 A worker id is never reused: a host that comes back joins as new workers
 (`Scheduler.new_worker_ids`, then `add_workers`).
@@ -32,11 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from serving.policy.placement import withdraw_queued
 from serving.policy.request import Request, RequestRecord
 from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
+
+
+ERRORS_KEPT = 1000  # `Membership.errors`: the latest errors kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,9 @@ class Membership:
         self.lost: set[int] = scheduler.reconfig.retired  # (one set: never new ids again)
         self.log: list[dict] = []
         self.hooks: list[MembershipHook] = []
+        # errors of the router or a hook while requests were placed again (`place_again`) or
+        # failed by a loss: {"time", "request_id", "error"}, the latest `ERRORS_KEPT`
+        self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
 
     def host_worker_ids(self, host: int) -> list[int]:
         """Ids of the workers on `host`, sorted: the pool's and those a change in progress is
@@ -140,26 +148,29 @@ class Membership:
         s.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
         return True
 
-    def place_again(self, requests: Sequence[Request], now: float) -> Exception | None:
+    def place_again(self, requests: Sequence[Request], now: float) -> None:
         """Routes `requests` again, in the order given: taken off a queue (`unqueue`) or
-        waiting for a worker. One the router (or a placement hook) fails on before it is placed
-        fails, its record naming the error, and the others go on: none is lost.
-
-        Returns:
-          The first such error, for the caller to raise once its own step is done; or None.
-        """
-        s, first = self._s, None
+        waiting for a worker. An error of the router or a hook does not stop the others (the
+        step that called this is made: a drain, a loss, a retry) and is kept in `errors`; a
+        request the router failed on fails, its record naming the error: none is lost."""
+        s = self._s
         for r in requests:
+            ended = s.num_completed + s.num_failed + s.num_aborted
             try:
                 s._route(r, now)
-            except Exception as e:  # noqa: BLE001 (given back to the caller)
-                first = first or e
-                if r.request_id not in s._placements and all(p is not r for p in s._pending):
-                    s.num_failed += 1
+            except Exception as e:  # noqa: BLE001 (kept in `errors`)
+                self.error(r, now, e)
+                if ended == s.num_completed + s.num_failed + s.num_aborted and \
+                        r.request_id not in s._placements and all(p is not r for p in s._pending):
+                    s.num_failed += 1  # not taken (a router or cost-model error): it fails
                     s.rerouted.discard(r.request_id)
                     s.listener(RequestRecord(r, finish_time=now, error=(
                         f"routing failed: {type(e).__name__}: {e}")))
-        return first
+
+    def error(self, request: Request, now: float, e: Exception) -> None:
+        """Keeps an error raised while `request` was placed again or failed (`errors`)."""
+        self.errors.append({"time": now, "request_id": request.request_id,
+                            "error": f"{type(e).__name__}: {e}"})
 
     def lose(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """Removes `worker_ids` from the pool at once (`Scheduler.lose_workers`).
@@ -227,9 +238,13 @@ class Membership:
             return any(w.can_hold(r) for w in s.workers.values()) or s.reconfig.will_hold(r)
 
         def fail(r: Request) -> None:
-            s._fail_unplaced(r, now, (
-                f"{reason}: input_len={r.input_len} tokens cannot be held by any worker left "
-                f"after losing worker(s) {[w.worker_id for w in gone]} on host(s) {hosts}"))
+            try:  # (a refused hook's error does not stop the loss: kept in `errors`)
+                s._fail_unplaced(r, now, (
+                    f"{reason}: input_len={r.input_len} tokens cannot be held by any worker "
+                    f"left after losing worker(s) {[w.worker_id for w in gone]} on host(s) "
+                    f"{hosts}"))
+            except Exception as e:  # noqa: BLE001
+                self.error(r, now, e)
 
         unplaceable = [r for r in s._pending if not holdable(r)]
         for r in unplaceable:
@@ -242,7 +257,7 @@ class Membership:
             else:
                 unplaceable.append(r)
                 fail(r)
-        error = self.place_again(rerouted, now)
+        self.place_again(rerouted, now)
         for hook in self.hooks:
             hook([w.spec for w in gone], [], now)
         out = LostWorkers(now, reason, tuple(w.worker_id for w in gone), tuple(hosts),
@@ -250,8 +265,6 @@ class Membership:
                           tuple(running),
                           tuple(r.request_id for r in unplaceable), tuple(abandoned), copies)
         self.log.append({"kind": "lost", **out.as_dict()})
-        if error is not None:
-            raise error
         return out
 
     def add(self, specs: Sequence[WorkerSpec], now: float) -> list[WorkerState]:

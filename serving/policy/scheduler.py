@@ -137,7 +137,8 @@ class Scheduler:
 
         Raises:
           ValueError: `request.request_id` is already in flight.
-          Exception: the router's (the request was not taken) or a placement hook's (it runs).
+          Exception: the router's (the request was not taken) or a hook's (it was placed and
+            runs, or it failed as no worker holds it).
         """
         if request.request_id in self._placements or (self._pending and any(
                 r.request_id == request.request_id for r in self._pending)):
@@ -145,10 +146,12 @@ class Scheduler:
         for hook in self.submit_hooks:
             hook(request, now)
         self.num_submitted += 1
+        ended = self.num_completed + self.num_failed + self.num_aborted
         try:
             return self._route(request, now)
-        except Exception:
-            if request.request_id not in self._placements:  # (a hook's error: placed, runs)
+        except Exception:  # not taken (a router or cost-model error): not counted
+            if ended == self.num_completed + self.num_failed + self.num_aborted and \
+                    request.request_id not in self._placements:
                 self.num_submitted -= 1
             raise
 
@@ -251,8 +254,6 @@ class Scheduler:
             (`Reconfigurations.check` says which rule it breaks).
           StrandedRequests: (a ValueError; nothing changed) requests queued or waiting that
             no worker of the pool after the change could hold (`Reconfigurations.stranded`).
-          Exception: (the change is made) the first error of the router or a placement hook
-            while re-routing (`Membership.place_again`: a request not placed failed with it).
         """
         waiting = [r for w in self.workers.values() for r in w.queue] + list(self._pending)
         olds = self.reconfig.admit(kind, old_ids, new_specs, self.workers, waiting)
@@ -261,17 +262,14 @@ class Scheduler:
         for w in olds:
             w.status = WorkerStatus.DRAINING
             requeue += self.membership.unqueue(w)
-        error = self.membership.place_again(sorted(requeue, key=lambda r: r.arrival_time), now)
+        self.membership.place_again(sorted(requeue, key=lambda r: r.arrival_time), now)
         self._maybe_recarve(rec, now)
-        if error is not None:
-            raise error
         return rec
 
     def finish_reconfiguration(self, epoch: int, now: float,
                                cached_blocks: dict[int, Sequence[int]]) -> None:
         """The backend re-carved: the old workers leave, the new ones become ACTIVE; then
-        `reconfigured_hooks` run (an exception of one, or of re-routing the requests waiting
-        for a worker, comes out after the change is made and the hooks ran).
+        `reconfigured_hooks` run (an exception of one comes out after the change is made).
 
         Args:
           epoch, now: the reconfiguration's epoch; seconds.
@@ -292,11 +290,9 @@ class Scheduler:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
-        try:
-            self._retry_pending(now)
-        finally:
-            for hook in self.reconfigured_hooks:
-                hook(self, now)
+        self._retry_pending(now)
+        for hook in self.reconfigured_hooks:
+            hook(self, now)
 
     def lose_workers(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """A host died: `Membership.lose` (returns `LostWorkers`; ValueError: unknown ids)."""
@@ -395,6 +391,4 @@ class Scheduler:
 
     def _retry_pending(self, now: float) -> None:
         waiting, self._pending = list(self._pending), deque()
-        error = self.membership.place_again(waiting, now)
-        if error is not None:
-            raise error
+        self.membership.place_again(waiting, now)  # (errors: `membership.errors`)

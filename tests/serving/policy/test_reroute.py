@@ -13,7 +13,7 @@ from serving.policy.prefix_index import PendingPrefixes
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
-from serving.policy.worker import layout_workers, merge_buddies, split_halves
+from serving.policy.worker import WorkerSpec, layout_workers, merge_buddies, split_halves
 
 HOLDS = lambda c: 100_000  # noqa: E731 (every worker holds every prompt here)
 
@@ -35,7 +35,8 @@ class Backend:
 
 
 def req(rid, t=0.0, length=2000):
-    return Request(rid, t, length, 1, chain_block_hashes([hash((rid, k)) for k in range(4)]), 512)
+    ids = [hash((rid, k)) for k in range(-(-length // 512))]
+    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
 
 
 def make(degrees):
@@ -142,12 +143,14 @@ def test_a_router_error_while_rerouting_fails_that_request_and_loses_none():
         return choose(request, candidates, matched, now)
 
     s.router.choose = broken_once
-    with pytest.raises(RuntimeError, match="router bug"):
-        s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
-                                                           HOLDS), 0.1)
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
     # the change is made; the request the router failed on ended with that error, the other
-    # one was placed again (before, both were taken off the queue and never seen again)
+    # one was placed again (before, the error came out of the drain and both were taken off
+    # the queue and never seen again); the error is kept
     assert s.workers[0].status.name == "DRAINING" and len(s.reconfig.in_progress) == 1
+    assert list(s.membership.errors) == [
+        {"time": 0.1, "request_id": on0[0], "error": "RuntimeError: router bug"}]
     assert [(r.request.request_id, r.error) for r in done] == [
         (on0[0], "routing failed: RuntimeError: router bug")]
     assert seen[6:] == [(on0[1], True)] and s.rerouted == set()
@@ -171,10 +174,10 @@ def test_a_hook_that_raises_or_places_another_request_leaves_the_flag_right():
 
     s.placement_hooks.insert(0, hook)
     ctl.attach(s)  # its `observe` runs after the plug-in's hook
-    with pytest.raises(ValueError, match="hook bug"):
-        s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
-                                                           HOLDS), 0.1)
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
     assert follow == [on0[0]]
+    assert [e["error"] for e in s.membership.errors] == ["ValueError: hook bug"]
     # the follow-up counted as an arrival, neither re-route did (the one whose hook raised
     # was placed: it stays placed and its id is not left behind)
     assert seen[6:] == [(100, False), (on0[0], True)]
@@ -196,3 +199,51 @@ def test_a_hook_error_after_a_placement_leaves_the_request_in_flight():
     assert backend.started == [(0, 0)] and s.num_in_flight == 1
     s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
     assert s.num_in_flight == 0 and [r.request.request_id for r in done] == [0]
+
+
+def test_a_hook_that_ends_its_own_request_then_raises_gives_one_record():
+    # the breaker's case: a placement hook aborts the request it is told of, then raises; the
+    # request has its abort record and no other, and is not counted twice
+    s, _, done, _ = make((2, 2))
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    on0 = [r.request_id for r in s.workers[0].queue]
+
+    def hook(request, cached, now):
+        if request.request_id == on0[0]:
+            s.abort(request.request_id, now, "admission")
+            raise RuntimeError("hook bug")
+
+    s.placement_hooks.insert(0, hook)
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
+    assert [(r.request.request_id, r.error) for r in done] == [(on0[0], "admission")]
+    assert s.num_in_flight == 5 and on0[1] in s._placements
+    with pytest.raises(RuntimeError, match="hook bug"):  # at submit: it comes out, counted once
+        s.submit(req(on0[0], 0.2), 0.2)
+    assert s.num_in_flight == 5 and s.num_aborted == 2
+
+
+def test_a_refused_hook_error_neither_uncounts_nor_stops_a_loss():
+    # CP-2 holds 3,000 tokens, CP-1 2,000: losing the CP-2 worker fails its 2,500-token
+    # requests as no worker left holds them; a refused hook that raises on the first one used
+    # to stop the loss there (the second one never ended)
+    specs = [WorkerSpec(0, 2, 0, 200, 3000), WorkerSpec(1, 1, 2, 200, 2000),
+             WorkerSpec(2, 1, 3, 200, 2000)]
+    done = []
+    s = Scheduler(specs, Cost(), LeastWorkRouter(), Backend(), done.append)
+
+    def refused(request, now):
+        raise RuntimeError("refused hook bug")
+
+    s.refused_hooks.append(refused)
+    with pytest.raises(RuntimeError, match="refused hook bug"):  # no worker holds 4,000
+        s.submit(req("huge", 0.0, 4000), 0.0)
+    assert s.num_in_flight == 0 and done[-1].error.startswith("input_len=4000")
+    for i in range(3):  # one runs on worker 0, two queue there
+        s.submit(req(i, 0.01, 2500), 0.01)
+    lost = s.lose_workers([0], 0.5, "host 0 died")
+    assert lost.failed_running == (0,) and lost.failed_unplaceable == (1, 2)
+    assert sorted(r.request.request_id for r in done[1:]) == [0, 1, 2]
+    assert s.num_in_flight == 0 and len(s.membership.errors) == 2
+    assert s.membership.log[-1]["kind"] == "lost"
