@@ -192,9 +192,9 @@ class Scheduler:
             self._prefix_index.insert(worker_id, inserted)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str,
-             retryable: bool = False) -> None:
-        """The backend could not prefill `request_id` on `worker_id`; the request fails (a late
-        report for a worker lost meanwhile is ignored: `lose_workers` failed it, `retryable`).
+             retryable: bool = False, start_next: bool = True) -> None:
+        """The backend could not prefill `request_id` on `worker_id`: it fails and, with
+        `start_next`, the worker starts its next one (a late report for a lost worker is ignored).
 
         Raises:
           ValueError: the worker is not running that request.
@@ -207,7 +207,9 @@ class Scheduler:
             request, worker_id, worker.cp_degree, worker.epoch,
             placement.start_time, now, None, 0, placement.predicted_cached_len,
             placement.estimate, error, None, placement.global_cached_len, retryable=retryable))
-        self._after_run(worker, now)
+        worker.running, worker.running_estimate = None, 0.0
+        if start_next:
+            self._after_run(worker, now)
 
     def abort(self, request_id: str | int, now: float, reason: str) -> bool:
         """Withdraws `request_id` if it has not started (queued on a worker, or waiting for
@@ -353,16 +355,20 @@ class Scheduler:
         return spec.worker_id
 
     def _dispatch(self, worker: WorkerState, now: float) -> None:
-        if worker.running is not None or not worker.queue:
-            return
-        request = self.queue_order.pop_next(worker.queue, self._placements, now)
-        placement = self._placements[request.request_id]
-        worker.queued_seconds = worker.queued_seconds - placement.estimate if worker.queue else 0.0
-        worker.running, worker.running_start, worker.running_estimate = request, now, placement.estimate
-        placement.start_time = now
-        for hook in self.dispatch_hooks:
-            hook(request, worker.spec.worker_id, now)
-        self._backend.start_prefill(worker.spec.worker_id, request, now)
+        while worker.running is None and worker.queue:  # (again if one fails to start)
+            request = self.queue_order.pop_next(worker.queue, self._placements, now)
+            placement = self._placements[request.request_id]
+            estimate, placement.start_time = placement.estimate, now
+            worker.queued_seconds = worker.queued_seconds - estimate if worker.queue else 0.0
+            worker.running, worker.running_start, worker.running_estimate = request, now, estimate
+            try:
+                for hook in self.dispatch_hooks:
+                    hook(request, worker.spec.worker_id, now)
+                self._backend.start_prefill(worker.spec.worker_id, request, now)
+            except Exception as e:  # noqa: BLE001 (it fails; the error kept in membership.errors)
+                self.membership.error(request, now, e)
+                self.fail(worker.worker_id, request.request_id, now,
+                          f"dispatch failed: {type(e).__name__}: {e}", start_next=False)
 
     def _take_running(self, worker_id: int,
                       request_id: str | int) -> tuple[WorkerState, Placement, Request]:

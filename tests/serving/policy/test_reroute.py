@@ -247,3 +247,38 @@ def test_a_refused_hook_error_neither_uncounts_nor_stops_a_loss():
     assert sorted(r.request.request_id for r in done[1:]) == [0, 1, 2]
     assert s.num_in_flight == 0 and len(s.membership.errors) == 2
     assert s.membership.log[-1]["kind"] == "lost"
+
+
+def test_a_dispatch_error_fails_that_request_and_the_worker_goes_on():
+    # before, `running` was set before the dispatch hooks and the backend ran: an error there
+    # left the worker "running" a request the backend never got, and everything behind it
+    s, backend, done, _ = make((2,))
+
+    def hook(request, worker_id, now):
+        if request.request_id in (1, 2):
+            raise RuntimeError(f"dispatch hook bug {request.request_id}")
+
+    s.dispatch_hooks.append(hook)
+    for i in range(4):  # 0 runs; 1, 2 and 3 queue
+        s.submit(req(i), 0.0)
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))  # 1 and 2 fail to start, 3 starts
+    assert backend.started == [(0, 0), (0, 3)]
+    assert [(r.request.request_id, r.error) for r in done] == [
+        (0, None), (1, "dispatch failed: RuntimeError: dispatch hook bug 1"),
+        (2, "dispatch failed: RuntimeError: dispatch hook bug 2")]
+    assert s.num_in_flight == 1 and s.workers[0].running.request_id == 3
+    assert [e["request_id"] for e in s.membership.errors] == [1, 2]
+
+
+def test_a_backend_that_refuses_every_start_fails_a_long_queue_without_recursion():
+    s, backend, done, _ = make((2,))
+    for i in range(3000):  # more than Python's recursion limit, were each failure to recurse
+        s.submit(req(i), 0.0)
+
+    def refuse(worker_id, request, now):
+        raise OSError("device lost")
+
+    backend.start_prefill = refuse
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
+    assert len(done) == 3000 and s.num_in_flight == 0 and s.workers[0].running is None
+    assert done[-1].error == "dispatch failed: OSError: device lost"
