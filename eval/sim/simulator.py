@@ -99,7 +99,10 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     Raises:
       ValueError: requests not sorted by arrival time, or a worker that would span hosts of
         `config.gpus_per_host` GPUs (`--gpus_per_host`).
-      RuntimeError: the run ended with requests still in flight (a scheduler bug).
+      RuntimeError: the run ended with requests still in flight (a scheduler bug), or errors
+        of the router, a hook or the backend were kept instead of raised while it ran
+        (`Membership.errors`: the service goes on, a simulation must not: its results would
+        not be the policy's).
     """
     if requests and requests[-1].arrival_time > MAX_TIME_S:
         raise ValueError(f"arrival times must be <= {MAX_TIME_S:g} s (about 3,000 years); the last "
@@ -174,6 +177,10 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
             gc.enable()
     if scheduler.num_in_flight:
         raise RuntimeError(f"{scheduler.num_in_flight} requests still in flight at the end")
+    errors = scheduler.membership.errors
+    if errors:
+        raise RuntimeError(f"{len(errors)} error(s) of the router, a hook or the backend during "
+                           f"the run (their requests failed); the first: {errors[0]}")
     return records
 
 

@@ -46,6 +46,24 @@ def test_three_requests_on_two_workers_hand_computed():
     assert m["prefix_hit_rate"] == pytest.approx(512 / 4000)
 
 
+def test_an_error_the_scheduler_kept_fails_the_simulation():
+    # a dispatch hook that raises on r1: the scheduler fails r1 and goes on (a service must),
+    # and the simulation, whose results would no longer be the policy's, raises at its end
+    reqs = [make_request(f"r{i}", 0.1 * i, 1000, [10 * i, 10 * i + 1]) for i in range(3)]
+    workers = layout_workers([1], kv_blocks_per_device=100, max_input_len=10_000)
+    cost = LinearCost()
+
+    def setup(s):
+        def hook(request, worker_id, now):
+            if request.request_id == "r1":
+                raise RuntimeError("dispatch hook bug")
+        s.dispatch_hooks.append(hook)
+
+    cfg = SimConfig(kv_bytes_per_token=0, first_token_seconds=0.0, tick_interval=0.0)
+    with pytest.raises(RuntimeError, match=r"1 error\(s\) .*'request_id': 'r1'.*dispatch hook bug"):
+        simulate(reqs, workers, cost, LeastWorkRouter(), cost, cfg, setup=[setup])
+
+
 def test_transfer_and_first_token_added_to_ttft():
     cfg = SimConfig(kv_bytes_per_token=1000, kv_transfer_gb_per_s=1.0, first_token_seconds=0.05,
                     tick_interval=0.0)
