@@ -155,17 +155,29 @@ class Membership:
         request the router failed on fails, its record naming the error: none is lost."""
         s = self._s
         for r in requests:
-            ended = s.num_completed + s.num_failed + s.num_aborted
+            ended = self.num_ended()
             try:
                 s._route(r, now)
             except Exception as e:  # noqa: BLE001 (kept in `errors`)
                 self.error(r, now, e)
-                if ended == s.num_completed + s.num_failed + s.num_aborted and \
-                        r.request_id not in s._placements and all(p is not r for p in s._pending):
-                    s.num_failed += 1  # not taken (a router or cost-model error): it fails
+                if not self.taken(r, ended):  # (a router or cost-model error): it fails
+                    s.num_failed += 1
                     s.rerouted.discard(r.request_id)
                     s.listener(RequestRecord(r, finish_time=now, error=(
                         f"routing failed: {type(e).__name__}: {e}")))
+
+    def num_ended(self) -> int:
+        """Requests ended so far: completed, failed or aborted."""
+        s = self._s
+        return s.num_completed + s.num_failed + s.num_aborted
+
+    def taken(self, request: Request, ended_before: int) -> bool:
+        """Whether an error out of `Scheduler._route(request)` came after the request was taken:
+        it is placed, waiting for a worker, or a request ended since `num_ended()` was
+        `ended_before` (the router raises before any can end; a hook after)."""
+        s = self._s
+        return (self.num_ended() != ended_before or request.request_id in s._placements
+                or any(p is request for p in s._pending))
 
     def error(self, request: Request, now: float, e: Exception) -> None:
         """Keeps an error raised while `request` was placed again or failed (`errors`)."""

@@ -146,12 +146,11 @@ class Scheduler:
         for hook in self.submit_hooks:
             hook(request, now)
         self.num_submitted += 1
-        ended = self.num_completed + self.num_failed + self.num_aborted
+        ended = self.membership.num_ended()
         try:
             return self._route(request, now)
-        except Exception:  # not taken (a router or cost-model error): not counted
-            if ended == self.num_completed + self.num_failed + self.num_aborted and \
-                    request.request_id not in self._placements:
+        except Exception:
+            if not self.membership.taken(request, ended):  # a router or cost-model error
                 self.num_submitted -= 1
             raise
 

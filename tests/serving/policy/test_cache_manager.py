@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
-from tests.serving.policy.cache_manager_fixtures import DOC, Backend, setup
+from tests.serving.policy.scheduler_fixtures import DOC, Backend, setup
 
 
 def test_inter_degree_copy_goes_to_longest_retained_ancestor_with_missing_blocks_only():

@@ -9,7 +9,7 @@ from serving.policy.prefix_trie import GlobalPrefixTrie
 from serving.policy.request import chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
-from tests.serving.policy.cache_manager_fixtures import DOC, Backend, Cost
+from tests.serving.policy.scheduler_fixtures import DOC, Backend, Cost
 
 CHAIN = DOC.block_hashes[:32]
 OTHER = chain_block_hashes(range(1000, 1010))  # another context, 10 blocks

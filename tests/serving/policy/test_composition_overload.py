@@ -14,7 +14,7 @@ from serving.policy.pool_load import pool_backlog
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
-from tests.serving.policy.cache_manager_fixtures import Backend
+from tests.serving.policy.scheduler_fixtures import Backend
 from tests.serving.policy.test_composition import COST, SIM, poisson
 
 

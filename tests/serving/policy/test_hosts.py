@@ -19,27 +19,9 @@ from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import (WorkerSpec, WorkerState, are_buddies, assign_hosts,
                                    host_degree_cap, layout_workers, merge_buddies, split_halves)
+from tests.serving.policy.scheduler_fixtures import Backend, MsCost
 
 BS = 512
-
-
-class Cost:
-    def predict(self, c, n, h):
-        return (n - h) * 1e-3 / c
-
-
-class Backend:
-    def __init__(self):
-        self.copies, self.started = [], []
-
-    def start_prefill(self, w, r, now):
-        self.started.append((w, r.request_id))
-
-    def replicate(self, rep, now):
-        self.copies.append(rep)
-
-    def reclaim(self, w, chain, now):
-        pass
 
 
 def test_spec_host_is_validated_and_kept_by_split_and_merge():
@@ -82,7 +64,7 @@ def test_layout_on_hosts_of_eight_never_spans():
 
 
 def _pool(degrees, per_host):
-    s = Scheduler(layout_workers(degrees, 100, 1 << 20, devices_per_host=per_host), Cost(),
+    s = Scheduler(layout_workers(degrees, 100, 1 << 20, devices_per_host=per_host), MsCost(),
                   LeastWorkRouter(), Backend())
     return s
 
@@ -127,7 +109,7 @@ def test_copy_seconds_within_and_across_hosts_by_hand():
 class FakeScheduler:
     def __init__(self):
         from serving.policy.prefix_index import PrefixIndex
-        self.cost_model, self.prefix_index, self.dispatch_hooks = Cost(), PrefixIndex(), []
+        self.cost_model, self.prefix_index, self.dispatch_hooks = MsCost(), PrefixIndex(), []
         self.copies = self
 
     def fetch_for_request(self, *a):
@@ -170,7 +152,7 @@ def test_fetch_router_prices_a_cross_host_copy_at_the_scaleout_bandwidth():
 def test_fetch_for_request_and_cache_manager_prefer_a_same_host_source():
     b = Backend()
     specs = layout_workers([4, 4, 4, 4], 1000, 1 << 20, devices_per_host=8)  # hosts 0,0,1,1
-    s = Scheduler(specs, Cost(), LeastWorkRouter(), b, prefix_index=GlobalPrefixTrie())
+    s = Scheduler(specs, MsCost(), LeastWorkRouter(), b, prefix_index=GlobalPrefixTrie())
     q = Request("q", 0.0, 16 * BS, 1, chain_block_hashes(range(16)), BS)
     s.prefix_index.insert(0, q.block_hashes[:10])  # host 0
     s.prefix_index.insert(2, q.block_hashes[:10])  # host 1
@@ -180,7 +162,7 @@ def test_fetch_for_request_and_cache_manager_prefer_a_same_host_source():
     assert (rep.src, rep.dst) == (0, 1)
     # The cache manager: intra-degree replica of a hot prefix held on worker 0 (host 0) only.
     b2 = Backend()
-    s2 = Scheduler(specs, Cost(), LeastWorkRouter(), b2, prefix_index=GlobalPrefixTrie())
+    s2 = Scheduler(specs, MsCost(), LeastWorkRouter(), b2, prefix_index=GlobalPrefixTrie())
     chain = q.block_hashes[:12]
     s2.prefix_index.insert(0, chain)
     for _ in range(40):

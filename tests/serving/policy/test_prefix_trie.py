@@ -11,7 +11,7 @@ from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers, merge_buddies, split_halves, are_buddies
-from tests.serving.policy.cache_manager_fixtures import Backend
+from tests.serving.policy.scheduler_fixtures import Backend
 
 
 def req(ids, bs=4):

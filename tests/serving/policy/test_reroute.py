@@ -14,24 +14,9 @@ from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import WorkerSpec, layout_workers, merge_buddies, split_halves
+from tests.serving.policy.scheduler_fixtures import Backend, MsCost
 
 HOLDS = lambda c: 100_000  # noqa: E731 (every worker holds every prompt here)
-
-
-class Cost:
-    def predict(self, cp_degree, input_len, cached_len):
-        return (input_len - cached_len) / 1000 / cp_degree
-
-
-class Backend:
-    def __init__(self):
-        self.started, self.recarves = [], []
-
-    def start_prefill(self, worker_id, request, now):
-        self.started.append((worker_id, request.request_id))
-
-    def recarve(self, rec, now):
-        self.recarves.append(rec)
 
 
 def req(rid, t=0.0, length=2000):
@@ -41,8 +26,8 @@ def req(rid, t=0.0, length=2000):
 
 def make(degrees):
     backend, done = Backend(), []
-    s = Scheduler(layout_workers(list(degrees), 100, 100_000), Cost(), LeastWorkRouter(), backend,
-                  done.append)
+    s = Scheduler(layout_workers(list(degrees), 100, 100_000), MsCost(), LeastWorkRouter(),
+                  backend, done.append)
     seen = []  # (request id, rerouting) per placement
     s.placement_hooks.append(lambda r, cached, now: seen.append((r.request_id, s.rerouting)))
     return s, backend, done, seen
@@ -231,7 +216,7 @@ def test_a_refused_hook_error_neither_uncounts_nor_stops_a_loss():
     specs = [WorkerSpec(0, 2, 0, 200, 3000), WorkerSpec(1, 1, 2, 200, 2000),
              WorkerSpec(2, 1, 3, 200, 2000)]
     done = []
-    s = Scheduler(specs, Cost(), LeastWorkRouter(), Backend(), done.append)
+    s = Scheduler(specs, MsCost(), LeastWorkRouter(), Backend(), done.append)
 
     def refused(request, now):
         raise RuntimeError("refused hook bug")

@@ -1,6 +1,7 @@
-"""Helpers shared by the prefix-cache manager's and the prefix trie's tests: a backend that
-records what it is asked to re-carve, copy and reclaim, a cost model priced by hand, one 33-block
-document and a small pool."""
+"""Helpers shared by the scheduler's collaborators' tests (prefix-cache manager, prefix trie,
+re-routes, hosts, the overload rule): a backend that records what it is asked to start,
+re-carve, copy and reclaim, cost models priced by hand, one 33-block document and a small
+pool."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from serving.policy.worker import layout_workers
 
 
 class Backend:
-    """Records the re-carves, replications and reclamations it is asked for; prefills do
-    nothing."""
+    """Records the prefills started (`(worker id, request id)`), re-carves, replications and
+    reclamations it is asked for; it runs nothing."""
 
     def __init__(self):
-        self.recarves, self.copies, self.reclaims = [], [], []
+        self.started, self.recarves, self.copies, self.reclaims = [], [], [], []
 
-    def start_prefill(self, *a):
-        pass
+    def start_prefill(self, worker_id, request, now):
+        self.started.append((worker_id, request.request_id))
 
     def recarve(self, rec, now):
         self.recarves.append(rec)
@@ -36,6 +37,13 @@ class Cost:
 
     def predict(self, c, n, h):
         return 1e-4 * (n - h) / c
+
+
+class MsCost:
+    """1 ms per uncached token over the degree."""
+
+    def predict(self, c, n, h):
+        return 1e-3 * (n - h) / c
 
 
 DOC = Request("doc", 0.0, 32 * 512 + 100, 1, chain_block_hashes(range(33)), 512)
