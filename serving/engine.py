@@ -342,8 +342,12 @@ class Engine(EngineAdmin):
             self._expired.discard(record.request.request_id)
             return
         completion = Completion(record, live)
-        for hook in self.record_hooks:
-            hook(completion)
+        for hook in self.record_hooks:  # (called inside the scheduler: an error stays here)
+            try:
+                hook(completion)
+            except Exception:  # noqa: BLE001 (a metrics hook's bug must not break a request)
+                _log.exception("record hook %r failed on request %r", hook,
+                               record.request.request_id)
         future = self._futures.get(record.request.request_id)
         if future is not None and not future.done():
             future.set_result(completion)

@@ -143,6 +143,9 @@ class _PoolCollector:
                                    labels=["model_name"])
         recl = CounterMetricFamily("vertumnus:reclamations", "Confirmed prefix reclamations.",
                                    labels=["model_name"])
+        errs = CounterMetricFamily("vertumnus:policy_errors", "Errors of the policy's router, "
+                                   "hooks or dispatch that did not stop the step making them "
+                                   "(each logged as a warning).", labels=["model_name"])
         s = self._engine.scheduler
         rows = self._engine.workers() if s is not None else []
         busy = sum(1 for w in rows if w["running"])
@@ -169,8 +172,9 @@ class _PoolCollector:
         epoch.add_metric([m], s.epoch if s is not None else 0)
         reps.add_metric([m], s.copies.num_copies if s is not None else 0)
         recl.add_metric([m], s.copies.num_reclaims if s is not None else 0)
+        errs.add_metric([m], s.membership.num_errors if s is not None else 0)
         yield from (running, waiting, perc, w_running, w_waiting, w_perc, w_blocks, w_epoch,
-                    workers, epoch, moving, recs, reps, recl)
+                    workers, epoch, moving, recs, reps, recl, errs)
         yield from _hold_metrics(self._engine.handoff if s is not None else None, m)
 
 

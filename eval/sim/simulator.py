@@ -180,7 +180,7 @@ def simulate(requests: Sequence[Request], workers: Sequence[WorkerSpec], cost_mo
     errors = scheduler.membership.errors
     if errors:
         raise RuntimeError(f"{len(errors)} error(s) of the router, a hook or the backend during "
-                           f"the run (their requests failed); the first: {errors[0]}")
+                           f"the run (each request ran or failed with it); the first: {errors[0]}")
     return records
 
 

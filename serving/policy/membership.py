@@ -23,7 +23,8 @@ promises (the same objects), so that a loss is one step that leaves consistent s
 It also takes requests off the queues and places them again for the scheduler (`unqueue`,
 `place_again`: a drain's re-routes, the waiting requests retried; `withdraw`: an abort): a
 request the router fails on then fails with that error rather than being lost, and the step
-that placed it (a drain, a loss, a retry) is made whole, its errors kept in `errors`.
+that placed it (a drain, a loss, a retry) is made whole, its errors kept in `errors` (and
+logged as warnings, counted in `num_errors`; the server exports `vertumnus:policy_errors_total`).
 
 A worker id is never reused: a host that comes back joins as new workers
 (`Scheduler.new_worker_ids`, then `add_workers`).
@@ -32,6 +33,7 @@ A worker id is never reused: a host that comes back joins as new workers
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,6 +44,7 @@ from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
 
 
 ERRORS_KEPT = 1000  # `Membership.errors`: the latest errors kept
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,10 @@ class Membership:
         # errors of the router or a hook while requests were placed again (`place_again`) or
         # failed by a loss: {"time", "request_id", "error"}, the latest `ERRORS_KEPT`
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
+        self.num_errors = 0  # every error kept so far (`errors` holds the latest)
+        # the requests `place_again` has yet to place, one deque per call in progress (a hook
+        # may drain a worker while a batch is placed): in flight, seen by `waiting`/`withdraw`
+        self.placing: list[deque[Request]] = []
 
     def host_worker_ids(self, host: int) -> list[int]:
         """Ids of the workers on `host`, sorted: the pool's and those a change in progress is
@@ -140,9 +147,15 @@ class Membership:
                 return False  # running
         else:
             request = next((r for r in s._pending if r.request_id == request_id), None)
-            if request is None:
-                return False
-            s._pending.remove(request)
+            if request is not None:
+                s._pending.remove(request)
+            else:  # in a batch being placed again?
+                batch = next((b for b in self.placing
+                              if any(r.request_id == request_id for r in b)), None)
+                if batch is None:
+                    return False
+                request = next(r for r in batch if r.request_id == request_id)
+                batch.remove(request)
             s.rerouted.discard(request_id)
         s.num_aborted += 1
         s.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
@@ -153,8 +166,22 @@ class Membership:
         waiting for a worker. An error of the router or a hook does not stop the others (the
         step that called this is made: a drain, a loss, a retry) and is kept in `errors`; a
         request the router failed on fails, its record naming the error: none is lost."""
+        s, batch = self._s, deque(requests)
+        self.placing.append(batch)
+        try:
+            self._place_batch(batch, now)
+        finally:
+            del self.placing[next(i for i, b in enumerate(self.placing) if b is batch)]
+
+    def waiting(self, request_id: str | int) -> bool:
+        """Whether `request_id` waits for a worker or for `place_again` to place it."""
+        return any(r.request_id == request_id for r in self._s._pending) or any(
+            r.request_id == request_id for b in self.placing for r in b)
+
+    def _place_batch(self, batch: deque[Request], now: float) -> None:
         s = self._s
-        for r in requests:
+        while batch:
+            r = batch.popleft()
             ended = self.num_ended()
             try:
                 s._route(r, now)
@@ -180,7 +207,11 @@ class Membership:
                 or any(p is request for p in s._pending))
 
     def error(self, request: Request, now: float, e: Exception) -> None:
-        """Keeps an error raised while `request` was placed again or failed (`errors`)."""
+        """Keeps an error of a router, hook or backend call that did not stop the step making it
+        (`errors`, `num_errors`) and logs it as a warning."""
+        _log.warning("policy error (request %r kept in flight or failed): %s: %s",
+                     request.request_id, type(e).__name__, e)
+        self.num_errors += 1
         self.errors.append({"time": now, "request_id": request.request_id,
                             "error": f"{type(e).__name__}: {e}"})
 
@@ -228,10 +259,22 @@ class Membership:
                     if wid not in lost:
                         s.workers[wid].status = WorkerStatus.ACTIVE
         gone = [s.workers[w] for w in sorted(lost) if w in s.workers]
-        requeue = []
+        batch: deque[Request] = deque()  # taken off the lost queues: in flight (`placing`)
+        self.placing.append(batch)
+        try:
+            return self._lose(gone, lost, abandoned, batch, now, reason)
+        finally:
+            del self.placing[next(i for i, b in enumerate(self.placing) if b is batch)]
+
+    def _lose(self, gone: list[WorkerState], lost: set[int], abandoned: list[int],
+              batch: deque[Request], now: float, reason: str) -> LostWorkers:
+        s = self._s
         for w in gone:
             w.status = WorkerStatus.UNAVAILABLE
-            requeue += self.unqueue(w)
+            batch.extend(self.unqueue(w))
+        ordered = sorted(batch, key=lambda r: r.arrival_time)
+        batch.clear()
+        batch.extend(ordered)
         running = []
         for w in gone:
             if w.running is not None:
@@ -258,18 +301,15 @@ class Membership:
             except Exception as e:  # noqa: BLE001
                 self.error(r, now, e)
 
-        unplaceable = [r for r in s._pending if not holdable(r)]
-        for r in unplaceable:
-            s._pending.remove(r)
-            fail(r)
-        rerouted = []
-        for r in sorted(requeue, key=lambda r: r.arrival_time):
-            if holdable(r):
-                rerouted.append(r)
-            else:
-                unplaceable.append(r)
-                fail(r)
-        self.place_again(rerouted, now)
+        unplaceable = []
+        for waiting in (s._pending, batch):  # (a hook may have ended one meanwhile: skipped)
+            for r in [r for r in waiting if not holdable(r)]:
+                if any(p is r for p in waiting):
+                    waiting.remove(r)
+                    unplaceable.append(r)
+                    fail(r)
+        rerouted = list(batch)
+        self._place_batch(batch, now)
         for hook in self.hooks:
             hook([w.spec for w in gone], [], now)
         out = LostWorkers(now, reason, tuple(w.worker_id for w in gone), tuple(hosts),

@@ -15,8 +15,8 @@ and reservations, driven by these calls, each given `now` in seconds (it never r
 Collaborators own the rest: `reconfig` (`Reconfigurations`: epochs, fresh worker ids, splits
 and merges in progress), `copies` (`PrefixCopies`: copies, reclamations) and `membership`
 (`Membership`: workers lost and added, requests withdrawn or placed again);
-`begin_/finish_reconfiguration` touch the queues (the latter then runs `reconfigured_hooks`: a
-controller waiting for the change evaluates at once).
+`begin_/finish_reconfiguration` (`serving.policy.split_merge`, mixed in) touch the queues (the
+latter then runs `reconfigured_hooks`: a controller waiting for the change evaluates at once).
 
 Invariant (DESIGN.md, "Request path"): every submitted request ends in exactly one
 `RequestRecord` given to the listener, completed, failed with an explicit error, or aborted.
@@ -32,14 +32,15 @@ from serving.policy.membership import LostWorkers, Membership
 from serving.policy.placement import Placement
 from serving.policy.prefix_index import PendingPrefixes, PrefixIndex
 from serving.policy.queue_order import FCFS, QueueOrder, rekey_promised
-from serving.policy.reconfiguration import Reconfiguration, Reconfigurations
+from serving.policy.reconfiguration import Reconfigurations
 from serving.policy.replication import PrefixCopies
 from serving.policy.request import Request, RequestRecord
 from serving.policy.router import Router
+from serving.policy.split_merge import SplitMerge
 from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus
 
 
-class Scheduler:
+class Scheduler(SplitMerge):
     """Routes requests to workers and keeps their queues; see the module docstring.
 
     Args:
@@ -47,7 +48,9 @@ class Scheduler:
       cost_model: predicts prefill seconds for (cp_degree, input_len, cached_len).
       router: picks a worker among the eligible ones.
       backend: runs prefills (`Backend`).
-      listener: called once per finished request with its `RequestRecord`.
+      listener: called once per finished request with its `RequestRecord`, while the
+        scheduler's state is mid-change: it must not raise nor call back into the scheduler
+        (the engine's keeps its hooks' errors from it).
       prefix_index: the cluster's block-holder index (a fresh one by default).
       log_limit: finished operations the logs of `reconfig` and `copies` keep (None: all).
 
@@ -137,22 +140,28 @@ class Scheduler:
 
         Raises:
           ValueError: `request.request_id` is already in flight.
-          Exception: the router's (the request was not taken) or a hook's (it was placed and
-            runs, or it failed as no worker holds it).
+          Exception: a submit hook's, the router's or the cost model's: the request was not
+            taken (nothing changed). A placement or refused hook's error comes after the request
+            was taken (placed and runs, or failed as no worker holds it): it is kept in
+            `membership.errors` and not raised, so a caller never drops a request that runs.
         """
-        if request.request_id in self._placements or (self._pending and any(
-                r.request_id == request.request_id for r in self._pending)):
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        rid = request.request_id
+        if rid in self._placements or ((self._pending or self.membership.placing)
+                                       and self.membership.waiting(rid)):
+            raise ValueError(f"request_id {rid!r} is already in flight")
         for hook in self.submit_hooks:
             hook(request, now)
         self.num_submitted += 1
         ended = self.membership.num_ended()
         try:
             return self._route(request, now)
-        except Exception:
+        except Exception as e:
             if not self.membership.taken(request, ended):  # a router or cost-model error
                 self.num_submitted -= 1
-            raise
+                raise
+            self.membership.error(request, now, e)  # a hook's, after the request was taken
+            placement = self._placements.get(rid)
+            return placement.worker.worker_id if placement is not None else None
 
     def complete(self, worker_id: int, request_id: str | int, now: float,
                  result: PrefillResult) -> None:
@@ -191,24 +200,17 @@ class Scheduler:
             self._prefix_index.insert(worker_id, inserted)
 
     def fail(self, worker_id: int, request_id: str | int, now: float, error: str,
-             retryable: bool = False, start_next: bool = True) -> None:
-        """The backend could not prefill `request_id` on `worker_id`: it fails and, with
-        `start_next`, the worker starts its next one (a late report for a lost worker is ignored).
+             retryable: bool = False) -> None:
+        """The backend could not prefill `request_id` on `worker_id`: it fails (its record has
+        `error`, and `retryable` when another attempt may succeed) and the worker starts its
+        next one (a late report for a lost worker is ignored).
 
         Raises:
           ValueError: the worker is not running that request.
         """
         if worker_id in self.membership.lost:
             return
-        worker, placement, request = self._take_running(worker_id, request_id)
-        self.num_failed += 1
-        self.listener(RequestRecord(
-            request, worker_id, worker.cp_degree, worker.epoch,
-            placement.start_time, now, None, 0, placement.predicted_cached_len,
-            placement.estimate, error, None, placement.global_cached_len, retryable=retryable))
-        worker.running, worker.running_estimate = None, 0.0
-        if start_next:
-            self._after_run(worker, now)
+        self._after_run(self._fail_running(worker_id, request_id, now, error, retryable), now)
 
     def abort(self, request_id: str | int, now: float, reason: str) -> bool:
         """Withdraws `request_id` if it has not started (queued on a worker, or waiting for
@@ -221,80 +223,15 @@ class Scheduler:
         return self.membership.withdraw(request_id, now, reason)
 
     def tick(self, now: float) -> None:
-        """Runs the periodic hooks, then retries requests waiting for a worker."""
-        for hook in self.tick_hooks:
-            hook(self, now)
-        self._retry_pending(now)
+        """Runs the periodic hooks, then retries requests waiting for a worker (also when a
+        hook raised: the hooks after it are skipped this tick, and its error comes out)."""
+        try:
+            for hook in self.tick_hooks:
+                hook(self, now)
+        finally:  # (a hook's error comes out after the retry)
+            self._retry_pending(now)
 
-    # ----------------------------------------------------------------------------- split / merge
-    @property
-    def epoch(self) -> int:
-        """The latest epoch (`Reconfigurations.epoch`)."""
-        return self.reconfig.epoch
-
-    @property
-    def composition(self) -> list[int]:
-        """CP degrees of the pool's workers in device order (draining ones included)."""
-        return [w.cp_degree for w in sorted(self.workers.values(), key=lambda w: w.spec.first_device)]
-
-    def new_worker_ids(self, n: int) -> tuple[int, ...]:
-        """`n` fresh worker ids (never reused; `Reconfigurations.new_worker_ids`)."""
-        return self.reconfig.new_worker_ids(n)
-
-    def begin_reconfiguration(self, kind: str, old_ids: Sequence[int],
-                              new_specs: Sequence[WorkerSpec], now: float) -> Reconfiguration:
-        """Starts a split or merge: drain `old_ids`, later replace them by `new_specs`.
-
-        The old workers stop taking placements at once; their queued (not started) requests
-        are re-routed through the router; a running prefill finishes under the old geometry.
-        When every old worker is idle the backend's `recarve(reconfiguration, now)` runs, and
-        `finish_reconfiguration` activates the new workers under a new epoch.
-
-        Raises:
-          ValueError: (nothing changed) the change is not a legal split or merge of the pool
-            (`Reconfigurations.check` says which rule it breaks).
-          StrandedRequests: (a ValueError; nothing changed) requests queued or waiting that
-            no worker of the pool after the change could hold (`Reconfigurations.stranded`).
-        """
-        waiting = [r for w in self.workers.values() for r in w.queue] + list(self._pending)
-        olds = self.reconfig.admit(kind, old_ids, new_specs, self.workers, waiting)
-        rec = self.reconfig.open(kind, old_ids, new_specs, now)
-        requeue = []
-        for w in olds:
-            w.status = WorkerStatus.DRAINING
-            requeue += self.membership.unqueue(w)
-        self.membership.place_again(sorted(requeue, key=lambda r: r.arrival_time), now)
-        self._maybe_recarve(rec, now)
-        return rec
-
-    def finish_reconfiguration(self, epoch: int, now: float,
-                               cached_blocks: dict[int, Sequence[int]]) -> None:
-        """The backend re-carved: the old workers leave, the new ones become ACTIVE; then
-        `reconfigured_hooks` run (an exception of one comes out after the change is made).
-
-        Args:
-          epoch, now: the reconfiguration's epoch; seconds.
-          cached_blocks: per new worker id, the block hashes it holds after the change
-            (retained prefixes stay resident; DESIGN.md "Cluster-level loops").
-
-        Raises:
-          ValueError: no change of that epoch is re-carving (an abandoned one is ignored).
-        """
-        rec = self.reconfig.close(epoch)
-        if rec is None:
-            return
-        for wid in rec.old_ids:
-            del self.workers[wid]
-            self.prefix_index.drop_worker(wid)
-        for spec in rec.new_specs:
-            self.workers[spec.worker_id] = WorkerState(spec, epoch=epoch)
-            self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
-            self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
-        self.reconfig.record(rec, now, self.composition)
-        self._retry_pending(now)
-        for hook in self.reconfigured_hooks:
-            hook(self, now)
-
+    # ----------------------------------------------------------------------------- hosts
     def lose_workers(self, worker_ids: Sequence[int], now: float, reason: str) -> LostWorkers:
         """A host died: `Membership.lose` (returns `LostWorkers`; ValueError: unknown ids)."""
         return self.membership.lose(worker_ids, now, reason)
@@ -302,11 +239,6 @@ class Scheduler:
     def add_workers(self, specs: Sequence[WorkerSpec], now: float) -> list[WorkerState]:
         """New workers (ids from `new_worker_ids`) join ACTIVE (`Membership.add`)."""
         return self.membership.add(specs, now)
-
-    def _maybe_recarve(self, rec: Reconfiguration, now: float) -> None:
-        if rec.recarve_started is None and all(self.workers[w].running is None for w in rec.old_ids):
-            rec.recarve_started = now
-            self.backend.recarve(rec, now)
 
     # ----------------------------------------------------------------------------- internals
     def _route(self, request: Request, now: float) -> int | None:
@@ -325,7 +257,10 @@ class Scheduler:
                 f"(max_input_len <= {largest} tokens, or not enough KV blocks)"))
             return None
         self.routing = (request, candidates, held)  # for the router, during `choose` only
-        i, self.routing = self.router.choose(request, candidates, matched, now), None
+        try:
+            i = self.router.choose(request, candidates, matched, now)
+        finally:
+            self.routing = None
         worker, bs, m = candidates[i], request.block_size, matched[i]
         spec, cached = worker.spec, m * bs
         estimate = self.cost_model.predict(spec.cp_degree, request.input_len, cached)
@@ -351,6 +286,9 @@ class Scheduler:
             self.rerouted.discard(request.request_id)
             if worker.running is None:  # (placed: it starts even if a hook raised)
                 self._dispatch(worker, now)
+        if self._placements.get(request.request_id) is not placement:  # a hook moved or ended it
+            moved = self._placements.get(request.request_id)
+            return moved.worker.worker_id if moved is not None else None
         return spec.worker_id
 
     def _dispatch(self, worker: WorkerState, now: float) -> None:
@@ -363,11 +301,27 @@ class Scheduler:
             try:
                 for hook in self.dispatch_hooks:
                     hook(request, worker.spec.worker_id, now)
-                self._backend.start_prefill(worker.spec.worker_id, request, now)
+                if worker.running is request and worker.worker_id not in self.membership.lost:
+                    self._backend.start_prefill(worker.spec.worker_id, request, now)
             except Exception as e:  # noqa: BLE001 (it fails; the error kept in membership.errors)
                 self.membership.error(request, now, e)
-                self.fail(worker.worker_id, request.request_id, now,
-                          f"dispatch failed: {type(e).__name__}: {e}", start_next=False)
+                if worker.worker_id not in self.membership.lost:  # (a hook lost it: failed)
+                    self._fail_running(worker.worker_id, request.request_id, now,
+                                       f"dispatch failed: {type(e).__name__}: {e}")
+                    if worker.status is WorkerStatus.DRAINING:  # (a hook began a change)
+                        for rec in self.reconfig.involving(worker.worker_id):
+                            self._maybe_recarve(rec, now)
+
+    def _fail_running(self, worker_id: int, request_id: str | int, now: float, error: str,
+                      retryable: bool = False) -> WorkerState:
+        worker, placement, request = self._take_running(worker_id, request_id)
+        self.num_failed += 1
+        self.listener(RequestRecord(
+            request, worker_id, worker.cp_degree, worker.epoch,
+            placement.start_time, now, None, 0, placement.predicted_cached_len,
+            placement.estimate, error, None, placement.global_cached_len, retryable=retryable))
+        worker.running, worker.running_estimate = None, 0.0
+        return worker
 
     def _take_running(self, worker_id: int,
                       request_id: str | int) -> tuple[WorkerState, Placement, Request]:
@@ -395,5 +349,6 @@ class Scheduler:
             hook(request, now)
 
     def _retry_pending(self, now: float) -> None:
-        waiting, self._pending = list(self._pending), deque()
+        waiting = list(self._pending)
+        self._pending.clear()  # (in place: a loss in progress holds this deque)
         self.membership.place_again(waiting, now)  # (errors: `membership.errors`)

@@ -362,3 +362,34 @@ def test_the_prompt_limit_is_what_merges_can_reach():
         assert r.status_code == 400 and "more than the maximum of 1024" in r.text
     c, engine = make_client(composition=(1,) * 8, degrees=(1, 2, 4, 8), max_model_len=4096)
     assert engine.max_prompt_len == 4096
+
+
+def test_a_placement_hook_error_answers_the_request_and_is_counted(caplog):
+    # the prompt is taken before a placement hook runs: it runs and is answered, the error is
+    # logged and counted (before, `submit` raised: a 500 for a prefill that ran unseen)
+    c, engine = make_client(seconds=0.05)
+    with c:
+        def hook(request, cached, now):
+            raise RuntimeError("placement hook bug")
+
+        engine.scheduler.placement_hooks.append(hook)
+        r = c.post("/v1/completions", json={"prompt": [5, 6, 7]})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [18]  # (the sum)
+        assert _metric(c, "vertumnus:policy_errors_total") == 1
+        assert _metric(c, "vertumnus:request_success_total") == 1
+    assert "placement hook bug" in caplog.text
+
+
+def test_a_record_hook_error_still_answers_the_request(caplog):
+    # record hooks run inside the scheduler's completion: one that raised used to break the
+    # completion halfway (the worker kept "running" it, the client never got its answer)
+    c, engine = make_client(seconds=0.05)
+    with c:
+        def hook(completion):
+            raise RuntimeError("metrics hook bug")
+
+        engine.record_hooks.insert(0, hook)
+        for prompt in ([1, 2], [3, 4]):  # the second one finds the worker free again
+            r = c.post("/v1/completions", json={"prompt": prompt})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [sum(prompt)]
+    assert "metrics hook bug" in caplog.text

@@ -57,3 +57,24 @@ def setup():
     s = Scheduler(layout_workers([4, 2, 2, 1, 1], 1000, 100_000), Cost(), LeastWorkRouter(), b,
                   prefix_index=GlobalPrefixTrie())
     return s, b
+
+
+HOLDS = lambda c: 100_000  # noqa: E731 (every worker holds every prompt here)
+
+
+def req(rid, t=0.0, length=2000):
+    """A request of `length` tokens of its own (no prefix shared), arriving at `t`."""
+    ids = [hash((rid, k)) for k in range(-(-length // 512))]
+    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
+
+
+def make(degrees):
+    """`(scheduler, backend, records, seen)`: least-work routing at 1 ms a token over workers of
+    `degrees` (100 KV blocks a device, 100,000-token prompts); `seen` gets `(request id,
+    rerouting)` per placement."""
+    backend, done = Backend(), []
+    s = Scheduler(layout_workers(list(degrees), 100, 100_000), MsCost(), LeastWorkRouter(),
+                  backend, done.append)
+    seen = []
+    s.placement_hooks.append(lambda r, cached, now: seen.append((r.request_id, s.rerouting)))
+    return s, backend, done, seen

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from serving.policy.backend import PrefillResult
@@ -10,28 +12,10 @@ from serving.policy.composition_config import CompositionConfig
 from serving.policy.controller import ControllerConfig, ReconfigurationController
 from serving.policy.placement import withdraw_queued
 from serving.policy.prefix_index import PendingPrefixes
-from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
-from serving.policy.worker import WorkerSpec, layout_workers, merge_buddies, split_halves
-from tests.serving.policy.scheduler_fixtures import Backend, MsCost
-
-HOLDS = lambda c: 100_000  # noqa: E731 (every worker holds every prompt here)
-
-
-def req(rid, t=0.0, length=2000):
-    ids = [hash((rid, k)) for k in range(-(-length // 512))]
-    return Request(rid, t, length, 1, chain_block_hashes(ids), 512)
-
-
-def make(degrees):
-    backend, done = Backend(), []
-    s = Scheduler(layout_workers(list(degrees), 100, 100_000), MsCost(), LeastWorkRouter(),
-                  backend, done.append)
-    seen = []  # (request id, rerouting) per placement
-    s.placement_hooks.append(lambda r, cached, now: seen.append((r.request_id, s.rerouting)))
-    return s, backend, done, seen
-
+from serving.policy.worker import WorkerSpec, merge_buddies, split_halves
+from tests.serving.policy.scheduler_fixtures import HOLDS, Backend, MsCost, make, req
 
 def test_placement_hooks_see_a_drain_reroute_as_one():
     s, _, _, seen = make((2, 2))
@@ -178,8 +162,10 @@ def test_a_hook_error_after_a_placement_leaves_the_request_in_flight():
         raise RuntimeError("hook bug")
 
     s.placement_hooks.append(hook)
-    with pytest.raises(RuntimeError, match="hook bug"):
-        s.submit(req(0), 0.0)
+    # taken: the error is kept, not raised (a caller reading a raise as "not taken" would
+    # drop a request that runs), and submit names the worker
+    assert s.submit(req(0), 0.0) == 0
+    assert [e["error"] for e in s.membership.errors] == ["RuntimeError: hook bug"]
     # placed and running: it is in flight (before, it was uncounted and later went negative)
     assert backend.started == [(0, 0)] and s.num_in_flight == 1
     s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
@@ -204,9 +190,9 @@ def test_a_hook_that_ends_its_own_request_then_raises_gives_one_record():
                                                        HOLDS), 0.1)
     assert [(r.request.request_id, r.error) for r in done] == [(on0[0], "admission")]
     assert s.num_in_flight == 5 and on0[1] in s._placements
-    with pytest.raises(RuntimeError, match="hook bug"):  # at submit: it comes out, counted once
-        s.submit(req(on0[0], 0.2), 0.2)
-    assert s.num_in_flight == 5 and s.num_aborted == 2
+    # at submit: it ended (aborted) before the hook raised; kept, counted once
+    assert s.submit(req(on0[0], 0.2), 0.2) is None
+    assert len(s.membership.errors) == 2 and s.num_in_flight == 5 and s.num_aborted == 2
 
 
 def test_a_refused_hook_error_neither_uncounts_nor_stops_a_loss():
@@ -222,15 +208,14 @@ def test_a_refused_hook_error_neither_uncounts_nor_stops_a_loss():
         raise RuntimeError("refused hook bug")
 
     s.refused_hooks.append(refused)
-    with pytest.raises(RuntimeError, match="refused hook bug"):  # no worker holds 4,000
-        s.submit(req("huge", 0.0, 4000), 0.0)
+    assert s.submit(req("huge", 0.0, 4000), 0.0) is None  # no worker holds 4,000: it failed
     assert s.num_in_flight == 0 and done[-1].error.startswith("input_len=4000")
     for i in range(3):  # one runs on worker 0, two queue there
         s.submit(req(i, 0.01, 2500), 0.01)
     lost = s.lose_workers([0], 0.5, "host 0 died")
     assert lost.failed_running == (0,) and lost.failed_unplaceable == (1, 2)
     assert sorted(r.request.request_id for r in done[1:]) == [0, 1, 2]
-    assert s.num_in_flight == 0 and len(s.membership.errors) == 2
+    assert s.num_in_flight == 0 and len(s.membership.errors) == 3  # the submit's kept too
     assert s.membership.log[-1]["kind"] == "lost"
 
 
@@ -267,3 +252,61 @@ def test_a_backend_that_refuses_every_start_fails_a_long_queue_without_recursion
     s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
     assert len(done) == 3000 and s.num_in_flight == 0 and s.workers[0].running is None
     assert done[-1].error == "dispatch failed: OSError: device lost"
+
+
+def test_a_request_being_placed_again_is_in_flight_to_abort_and_to_duplicates():
+    # a drain places worker 0's two queued requests again one at a time; while the first is
+    # placed, the second is in no queue yet: before, abort did not find it (False) and a new
+    # request with its id was taken (two in flight under one id)
+    s, _, done, _ = make((2, 2))
+    for i in range(6):  # 0 and 1 run; 2-5 queue, two on each worker
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    first, second = [r.request_id for r in s.workers[0].queue]
+    seen = []
+
+    def hook(request, cached, now):
+        if request.request_id == first:
+            with pytest.raises(ValueError, match="already in flight"):
+                s.submit(req(second, now), now)
+            seen.append(s.abort(second, now, "client gone"))
+
+    s.placement_hooks.append(hook)
+    s.begin_reconfiguration("split", [0], split_halves(s.workers[0].spec, s.new_worker_ids(2),
+                                                       HOLDS), 0.1)
+    assert seen == [True] and [(r.request.request_id, r.aborted) for r in done] == [(second, True)]
+    assert second not in s._placements and first in s._placements
+    assert s.num_in_flight == 5 and s.rerouted == set() and s.membership.placing == []
+
+
+def test_a_tick_hook_error_still_retries_the_waiting_requests():
+    s, _, _, _ = make((1, 1))
+    for i in range(3):  # 0 and 1 run; 2 queues
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    ws = list(s.workers.values())
+    s.begin_reconfiguration("merge", [0, 1], [merge_buddies(ws[0].spec, ws[1].spec,
+                                                            s.new_worker_ids(1)[0], HOLDS)], 0.1)
+    assert [r.request_id for r in s._pending] == [2]  # no worker takes placements
+    retried, place_again = [], s.membership.place_again
+    s.membership.place_again = lambda rs, now: (retried.append([r.request_id for r in rs]),
+                                                place_again(rs, now))
+
+    def bug(scheduler, now):
+        raise RuntimeError("tick hook bug")
+
+    s.tick_hooks.append(bug)
+    with pytest.raises(RuntimeError, match="tick hook bug"):  # comes out after the retry
+        s.tick(0.2)
+    assert retried == [[2]] and [r.request_id for r in s._pending] == [2]
+
+
+def test_a_router_error_clears_the_routing_state():
+    s, _, _, _ = make((2,))
+
+    def choose(request, candidates, matched, now):
+        assert s.routing[0] is request  # set while the router chooses
+        raise RuntimeError("router bug")
+
+    s.router.choose = choose
+    with pytest.raises(RuntimeError, match="router bug"):  # not taken: it comes out
+        s.submit(req(0), 0.0)
+    assert s.routing is None and s.num_in_flight == 0 and s.membership.errors == deque()
