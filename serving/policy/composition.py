@@ -6,10 +6,10 @@ Every `interval_s` the controller takes the requests placed in the last `window_
 them (`serving.policy.whatif`) through candidate compositions (sooner when the plan no longer
 holds: once the pool's backlog, `serving.policy.pool_load.pool_backlog`, exceeds what it was at
 the last evaluation by the mean TTFT that evaluation predicted for staying, and the window's
-load is past the overload rule's threshold (below), an evaluation of the overload rule alone
-comes at once (in a cooldown too), so a burst after a quiet phase is met within seconds, not at
-the next interval; a backlog the load does not explain is a burst the pool absorbs, and the
-schedule is kept):
+load (below) is above 1, the demand's backlog, an evaluation comes at once (in a cooldown only
+of the overload rule, below; one that changes nothing keeps the schedule), so a burst after a
+quiet phase is met within seconds, not at the next interval; a backlog the load does not
+explain is a burst the pool absorbs, and the schedule is kept):
 
 - *stay*: the current workers, each starting with its outstanding work;
 - *split* one worker of degree 2C (per degree, the one that drains first) into two of C;
@@ -153,7 +153,7 @@ class CompositionController:
             self._next_eval = now + cfg.interval_s
         if scheduler.reconfig.in_progress:
             return
-        early = now < self._next_eval or now < self._quiet_until  # (overload rule only)
+        early = now < self._next_eval or now < self._quiet_until  # (module doc)
         if early and (self._replan_at is None or pool_backlog(scheduler.workers.values(), now)
                       < self._replan_at):
             return
@@ -172,10 +172,11 @@ class CompositionController:
         op, figures, urgent = (*hold, True) if hold is not None else self._best(
             scheduler, now, sample, early, now - t0)
         self._chain = bool(urgent and op is not None and hold is None)
-        if figures is None:  # early, and the window shows no overload: keep the schedule
+        if figures is None:  # early, and the load calls for no evaluation: keep the schedule
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
-        self._next_eval = now + cfg.interval_s
+        if not (early and op is None):  # (an early evaluation that changes nothing keeps it)
+            self._next_eval = now + cfg.interval_s
         self._replan_at = None
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
@@ -200,8 +201,8 @@ class CompositionController:
         elif self._vetoed is not None:
             entry["reason"] = self._vetoed
         else:
-            entry["reason"] = "no candidate beats staying by the margin" if not early else \
-                "early (backlog beyond the plan): no overload step pays"
+            entry["reason"] = "early (backlog beyond the plan): no change pays" if early else \
+                "no candidate beats staying by the margin"
         stay = figures[0][1]
         if not urgent and stay > 0 and stay < float("inf"):  # (not NaN)
             self._plan_stay = stay
@@ -239,10 +240,9 @@ class CompositionController:
     def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
               elapsed: float | None = None):
         """`(op or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
-        the best; `overloaded` when the op is the overload rule's (module doc). `early` (before
-        the interval, the backlog beyond the plan): `(None, None, False)` unless the window's
-        load is past the overload threshold, and no change but the overload rule's. `elapsed`:
-        seconds from the sample's first arrival to now (the load's span)."""
+        the best; `overloaded` when the op is the overload rule's (module doc). `early` (the
+        backlog beyond the plan): `(None, None, False)` for a load the module doc keeps the
+        schedule for. `elapsed`: seconds from the sample's first arrival to now."""
         cfg = self.config
         self._vetoed = None
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
@@ -255,7 +255,8 @@ class CompositionController:
         over, clear = (1.0, pool_backlog(active, now) / cfg.interval_s) if self._chain else (
             1.0 + cfg.min_gain, 0.0)
         excess = load + clear
-        if early and excess <= over:
+        quiet = early and now < self._quiet_until  # (in a cooldown only the overload rule acts)
+        if early and (excess <= 1.0 or (excess <= over and quiet)):  # (module doc)
             return None, None, False
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
@@ -298,7 +299,7 @@ class CompositionController:
                     self._chain or best[0] <= stay):
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
                 return self._op(scheduler, best[2], best[3]), figures, True
-        if early:  # between evaluations only the overload rule acts
+        if quiet:
             return None, figures, False
         ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
         if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
@@ -393,8 +394,7 @@ class CompositionController:
                 pairs = [(a, b) for a, b in itertools.combinations(
                     [w for w in active if w.cp_degree == c], 2) if are_buddies(a.spec, b.spec)]
                 if pairs:
-                    a, b = min(pairs, key=lambda p: (max(now_load[p[0].worker_id],
-                                                         now_load[p[1].worker_id]),
-                                                     min(p[0].spec.first_device,
-                                                         p[1].spec.first_device)))
+                    a, b = min(pairs, key=lambda p: (
+                        max(now_load[p[0].worker_id], now_load[p[1].worker_id]),
+                        min(p[0].spec.first_device, p[1].spec.first_device)))
                     yield [a, b], [2 * c]

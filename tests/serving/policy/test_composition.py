@@ -131,6 +131,37 @@ def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
     assert split["early"] and 40.0 < split["time"] < 50.0, ctl.decisions[:3]
 
 
+@pytest.mark.parametrize("rate", [75.0, 80.0])
+def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgrows_the_plan(
+        rate):
+    # as above, at 75 and 80 req/s: a load of 1.10 and 1.17, under the overload rule's 1.25.
+    # The backlog outgrows the plan and the window's load above 1 explains it, so the full
+    # comparison runs at once (before, only the overload rule could act early, and the pool
+    # waited for the evaluation at 61 s). At 80 req/s its split pays then; at 75 it does not
+    # yet, and an early evaluation that changes nothing keeps the schedule: the split comes
+    # at 61 s, not 30 s after the early one.
+    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
+                                                                     range(40)]), 512)
+            for i in range(20)]
+    short = [Request(f"s{i}", 40.0 + i / rate, 2000, 1,
+                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
+             for i in range(int(40 * rate))]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+             COST.predict, SIM, setup=[ctl.attach])
+    early = [d for d in ctl.decisions if d["early"]]
+    assert early and 40.0 < early[0]["time"] < 55.0, ctl.decisions[:4]
+    load = dict(early[0]["candidates"])["load (work / capacity) staying"]
+    assert 1.0 < load < 1.25, early[0]
+    split = next(d for d in ctl.decisions if d.get("kind") == "split")
+    if rate == 80.0:
+        assert split["early"] and split["time"] < 60.0, ctl.decisions[:4]
+        assert not split["reason"].endswith("overloaded: next evaluation when done")
+    else:
+        assert early[0].get("kind") is None and early[0]["reason"].endswith("no change pays")
+        assert not split["early"] and split["time"] == 61.0, ctl.decisions[:4]
+
+
 @pytest.mark.parametrize("rate, step", [(90.0, False), (115.0, True)])
 def test_the_load_counts_each_degree_at_its_own_cost(rate, step):
     # 16 GPUs as [4, 4, 4, 2, 2]; 2,000-token prompts, one every 1 / rate s. Per request CP-4
