@@ -146,8 +146,8 @@ class CompositionController:
             self._unheld, self.longest = request, max(self.longest, n)
 
     def tick(self, scheduler, now: float) -> None:
-        """Evaluates the candidates every `interval_s`, sooner for an overload (module doc),
-        and makes at most one change."""
+        """Evaluates the candidates every `interval_s`, sooner when the backlog outgrows the
+        plan (module doc), and makes at most one change."""
         cfg = self.config
         if self._next_eval is None:
             self._next_eval = now + cfg.interval_s
@@ -162,8 +162,7 @@ class CompositionController:
             samples.popleft()
         hold = self._hold_step(scheduler, now)
         if not samples and hold is None:
-            if not early:
-                self._next_eval = now + cfg.interval_s
+            self._next_eval = self._next_eval if early else now + cfg.interval_s
             return
         recent = list(samples)[-cfg.max_samples:]
         t0 = recent[0][0] if recent else now
@@ -175,9 +174,9 @@ class CompositionController:
         if figures is None:  # early, and the load calls for no evaluation: keep the schedule
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
-        if not (early and op is None):  # (an early evaluation that changes nothing keeps it)
-            self._next_eval = now + cfg.interval_s
-        self._replan_at = None
+        kept, self._next_eval, self._replan_at = self._next_eval, now + cfg.interval_s, None
+        if early and op is None:  # (an early evaluation that changes nothing keeps it)
+            self._next_eval = kept
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
         if op is not None:
@@ -185,6 +184,7 @@ class CompositionController:
                 rec = scheduler.begin_reconfiguration(*op, now)
             except StrandedRequests as e:  # waiting requests need the workers it would remove
                 self._chain = False
+                self._next_eval = kept if early else self._next_eval  # (no change: kept)
                 entry["reason"] = f"not made: {e}"
                 self.decisions.append(entry)
                 return

@@ -162,6 +162,36 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
         assert not split["early"] and split["time"] == 61.0, ctl.decisions[:4]
 
 
+def test_an_early_change_refused_for_stranded_requests_keeps_the_schedule():
+    # as above at 80 req/s, where the early evaluation at 55 s splits; here the scheduler
+    # refuses that split (requests waiting would fit no worker after it): nothing changed, so
+    # the regular evaluation still comes at 61 s (before, the refusal pushed it to 85 s)
+    from serving.policy.reconfiguration import StrandedRequests
+    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
+                                                                     range(40)]), 512)
+            for i in range(20)]
+    short = [Request(f"s{i}", 40.0 + i / 80.0, 2000, 1,
+                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
+             for i in range(3200)]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+
+    def refuse_once(scheduler):
+        begin, calls = scheduler.begin_reconfiguration, []
+
+        def begin_or_refuse(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                raise StrandedRequests("refused", [], 0)
+            return begin(*args)
+        scheduler.begin_reconfiguration = begin_or_refuse
+
+    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+             COST.predict, SIM, setup=[ctl.attach, refuse_once])
+    i = next(k for k, d in enumerate(ctl.decisions) if d.get("reason", "").startswith("not made"))
+    assert ctl.decisions[i]["early"] and 40.0 < ctl.decisions[i]["time"] < 60.0
+    assert ctl.decisions[i + 1]["time"] == 61.0, ctl.decisions[i:i + 2]
+
+
 @pytest.mark.parametrize("rate, step", [(90.0, False), (115.0, True)])
 def test_the_load_counts_each_degree_at_its_own_cost(rate, step):
     # 16 GPUs as [4, 4, 4, 2, 2]; 2,000-token prompts, one every 1 / rate s. Per request CP-4
