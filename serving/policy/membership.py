@@ -32,6 +32,7 @@ A worker id is never reused: a host that comes back joins as new workers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -146,16 +147,11 @@ class Membership:
             if request is None:
                 return False  # running
         else:
-            request = next((r for r in s._pending if r.request_id == request_id), None)
-            if request is not None:
-                s._pending.remove(request)
-            else:  # in a batch being placed again?
-                batch = next((b for b in self.placing
-                              if any(r.request_id == request_id for r in b)), None)
-                if batch is None:
-                    return False
-                request = next(r for r in batch if r.request_id == request_id)
-                batch.remove(request)
+            found = self._find_waiting(request_id)
+            if found is None:
+                return False
+            waiting, request = found
+            waiting.remove(request)
             s.rerouted.discard(request_id)
         s.num_aborted += 1
         s.listener(RequestRecord(request, finish_time=now, error=reason, aborted=True))
@@ -166,17 +162,31 @@ class Membership:
         waiting for a worker. An error of the router or a hook does not stop the others (the
         step that called this is made: a drain, a loss, a retry) and is kept in `errors`; a
         request the router failed on fails, its record naming the error: none is lost."""
-        s, batch = self._s, deque(requests)
-        self.placing.append(batch)
-        try:
+        with self._in_flight(deque(requests)) as batch:
             self._place_batch(batch, now)
-        finally:
-            del self.placing[next(i for i, b in enumerate(self.placing) if b is batch)]
 
     def waiting(self, request_id: str | int) -> bool:
         """Whether `request_id` waits for a worker or for `place_again` to place it."""
-        return any(r.request_id == request_id for r in self._s._pending) or any(
-            r.request_id == request_id for b in self.placing for r in b)
+        return self._find_waiting(request_id) is not None
+
+    def _find_waiting(self, request_id: str | int) -> tuple[deque[Request], Request] | None:
+        """`(the deque holding it, the request)` of `request_id` waiting for a worker or in a
+        batch being placed again; None if neither."""
+        for waiting in (self._s._pending, *self.placing):
+            for r in waiting:
+                if r.request_id == request_id:
+                    return waiting, r
+        return None
+
+    @contextlib.contextmanager
+    def _in_flight(self, batch: deque[Request]):
+        """Keeps `batch` in `placing` (in flight for `waiting` and `withdraw`) while the block
+        runs; nested blocks may end in any order."""
+        self.placing.append(batch)
+        try:
+            yield batch
+        finally:
+            del self.placing[next(i for i, b in enumerate(self.placing) if b is batch)]
 
     def _place_batch(self, batch: deque[Request], now: float) -> None:
         s = self._s
@@ -259,12 +269,8 @@ class Membership:
                     if wid not in lost:
                         s.workers[wid].status = WorkerStatus.ACTIVE
         gone = [s.workers[w] for w in sorted(lost) if w in s.workers]
-        batch: deque[Request] = deque()  # taken off the lost queues: in flight (`placing`)
-        self.placing.append(batch)
-        try:
+        with self._in_flight(deque()) as batch:  # taken off the lost queues: in flight
             return self._lose(gone, lost, abandoned, batch, now, reason)
-        finally:
-            del self.placing[next(i for i, b in enumerate(self.placing) if b is batch)]
 
     def _lose(self, gone: list[WorkerState], lost: set[int], abandoned: list[int],
               batch: deque[Request], now: float, reason: str) -> LostWorkers:

@@ -160,8 +160,7 @@ class Scheduler(SplitMerge):
                 self.num_submitted -= 1
                 raise
             self.membership.error(request, now, e)  # a hook's, after the request was taken
-            placement = self._placements.get(rid)
-            return placement.worker.worker_id if placement is not None else None
+            return self._placed_on(rid)
 
     def complete(self, worker_id: int, request_id: str | int, now: float,
                  result: PrefillResult) -> None:
@@ -286,10 +285,11 @@ class Scheduler(SplitMerge):
             self.rerouted.discard(request.request_id)
             if worker.running is None:  # (placed: it starts even if a hook raised)
                 self._dispatch(worker, now)
-        if self._placements.get(request.request_id) is not placement:  # a hook moved or ended it
-            moved = self._placements.get(request.request_id)
-            return moved.worker.worker_id if moved is not None else None
-        return spec.worker_id
+        return self._placed_on(request.request_id)  # (a hook may have moved or ended it)
+
+    def _placed_on(self, request_id: str | int) -> int | None:
+        placement = self._placements.get(request_id)
+        return placement.worker.worker_id if placement is not None else None
 
     def _dispatch(self, worker: WorkerState, now: float) -> None:
         while worker.running is None and worker.queue:  # (again if one fails to start)
@@ -309,8 +309,7 @@ class Scheduler(SplitMerge):
                     self._fail_running(worker.worker_id, request.request_id, now,
                                        f"dispatch failed: {type(e).__name__}: {e}")
                     if worker.status is WorkerStatus.DRAINING:  # (a hook began a change)
-                        for rec in self.reconfig.involving(worker.worker_id):
-                            self._maybe_recarve(rec, now)
+                        self._recarve_drained(worker, now)
 
     def _fail_running(self, worker_id: int, request_id: str | int, now: float, error: str,
                       retryable: bool = False) -> WorkerState:
@@ -336,8 +335,7 @@ class Scheduler(SplitMerge):
     def _after_run(self, worker: WorkerState, now: float) -> None:
         worker.running, worker.running_estimate = None, 0.0
         if worker.status is WorkerStatus.DRAINING:
-            for rec in self.reconfig.involving(worker.worker_id):
-                self._maybe_recarve(rec, now)
+            self._recarve_drained(worker, now)
             return
         self._dispatch(worker, now)
 

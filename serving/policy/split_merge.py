@@ -87,6 +87,11 @@ class SplitMerge:
         for hook in self.reconfigured_hooks:
             hook(self, now)
 
+    def _recarve_drained(self, worker: WorkerState, now: float) -> None:
+        """A draining worker went idle: re-carves each change of it whose old workers all are."""
+        for rec in self.reconfig.involving(worker.worker_id):
+            self._maybe_recarve(rec, now)
+
     def _maybe_recarve(self, rec: Reconfiguration, now: float) -> None:
         if self.reconfig.in_progress.get(rec.epoch) is not rec:
             return  # abandoned (a hook lost a worker of it)

@@ -111,19 +111,27 @@ def test_overload_splits_follow_each_other_without_the_cooldown():
     assert splits[2]["time"] - splits[0]["time"] < 4.0, [d["time"] for d in splits]
 
 
+def long_then_short(rate, n):
+    """The load-shift case on [8, 8]: twenty 20K-token prompts 2 s apart, then from 40 s `n`
+    2K-token prompts at `rate` req/s (two CP-8 workers serve about 63 a second); and a
+    controller of degrees 1-8 for them."""
+    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
+                                                                     range(40)]), 512)
+            for i in range(20)]
+    short = [Request(f"s{i}", 40.0 + i / rate, 2000, 1,
+                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
+             for i in range(n)]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    return long + short, ctl
+
+
 def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
     # [8, 8]; 20K-token prompts at 0.5 req/s (the evaluation at 30 s keeps the pool), then from
     # 40 s 2K-token prompts at 90 req/s, more than two CP-8 serve (63 a second). Once the
     # pool's backlog has grown by the mean TTFT the last evaluation predicted, the controller
     # evaluates at once instead of at 60 s, and splits.
-    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
-                                                                     range(40)]), 512)
-            for i in range(20)]
-    short = [Request(f"s{i}", 40.0 + i / 90.0, 2000, 1,
-                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
-             for i in range(1800)]
-    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
-    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+    reqs, ctl = long_then_short(90, 1800)
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
     first = ctl.decisions[0]
     assert first["time"] < 40.0 and first.get("kind") is None and not first["early"], first
@@ -140,14 +148,8 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
     # waited for the evaluation at 61 s). At 80 req/s its split pays then; at 75 it does not
     # yet, and an early evaluation that changes nothing keeps the schedule: the split comes
     # at 61 s, not 30 s after the early one.
-    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
-                                                                     range(40)]), 512)
-            for i in range(20)]
-    short = [Request(f"s{i}", 40.0 + i / rate, 2000, 1,
-                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
-             for i in range(int(40 * rate))]
-    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
-    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+    reqs, ctl = long_then_short(rate, int(40 * rate))
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
     early = [d for d in ctl.decisions if d["early"]]
     assert early and 40.0 < early[0]["time"] < 55.0, ctl.decisions[:4]
@@ -167,13 +169,7 @@ def test_an_early_change_refused_for_stranded_requests_keeps_the_schedule():
     # refuses that split (requests waiting would fit no worker after it): nothing changed, so
     # the regular evaluation still comes at 61 s (before, the refusal pushed it to 85 s)
     from serving.policy.reconfiguration import StrandedRequests
-    long = [Request(f"l{i}", 2.0 * i, 20_000, 1, chain_block_hashes([i * 100 + k for k in
-                                                                     range(40)]), 512)
-            for i in range(20)]
-    short = [Request(f"s{i}", 40.0 + i / 80.0, 2000, 1,
-                     chain_block_hashes([10**6 + i * 10 + k for k in range(4)]), 512)
-             for i in range(3200)]
-    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    reqs, ctl = long_then_short(80, 3200)
 
     def refuse_once(scheduler):
         begin, calls = scheduler.begin_reconfiguration, []
@@ -185,7 +181,7 @@ def test_an_early_change_refused_for_stranded_requests_keeps_the_schedule():
             return begin(*args)
         scheduler.begin_reconfiguration = begin_or_refuse
 
-    simulate(long + short, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach, refuse_once])
     i = next(k for k, d in enumerate(ctl.decisions) if d.get("reason", "").startswith("not made"))
     assert ctl.decisions[i]["early"] and 40.0 < ctl.decisions[i]["time"] < 60.0

@@ -14,30 +14,12 @@ from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import WorkerSpec, WorkerStatus, layout_workers
+from tests.serving.policy.scheduler_fixtures import Backend
 
 
 class Cost:
     def predict(self, c, n, h):
         return (n - h) / 1000 / c
-
-
-class Backend:
-    """Records what the scheduler asks; the test plays the backend's reports."""
-
-    def __init__(self):
-        self.started, self.copies, self.reclaims, self.recarves = [], [], [], []
-
-    def start_prefill(self, worker_id, request, now):
-        self.started.append((worker_id, request.request_id))
-
-    def replicate(self, rep, now):
-        self.copies.append(rep)
-
-    def reclaim(self, worker_id, chain, now):
-        self.reclaims.append((worker_id, chain))
-
-    def recarve(self, rec, now):
-        self.recarves.append(rec)
 
 
 def req(rid, length=1000, ids=None):
