@@ -92,3 +92,17 @@ def test_mostly_cached_prompts_are_charged_near_the_analytic_time():
         assert truth.exact_seconds(c, L, h) == pytest.approx(want, rel=0.04), (c, L, h)
     ts = [truth.exact_seconds(2, 103_424, int(f * 103_424)) for f in (0.9, 0.95, 0.98, 0.99, 0.999)]
     assert all(a > b for a, b in zip(ts, ts[1:])), ts
+
+
+def test_with_noise_is_the_constructed_profile_without_parsing_again():
+    # the same rows and the same seeded noise stream as a profile built from the table
+    table = generate_profile("h20", "qwen3-30b-a3b", (1, 2, 8), (128, 1000, 8192, 65536))
+    base = GroundTruthProfile(table)
+    calls = [(c, n, h) for c, n, h in zip([1, 2, 8, 2, 1] * 40, range(300, 40_300, 200),
+                                          range(0, 20_000, 100))]
+    for sigma, seed in ((0.0, 0), (0.3, 7), (0.3, 8)):
+        built, shared = GroundTruthProfile(table, sigma, seed), base.with_noise(sigma, seed)
+        assert [shared.seconds(*a) for a in calls] == [built.seconds(*a) for a in calls]
+    assert base.with_noise(0.3, 7)._degrees is base._degrees
+    with pytest.raises(ValueError, match="noise_sigma"):
+        base.with_noise(-0.1)
