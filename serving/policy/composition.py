@@ -38,16 +38,7 @@ cache, workers each keeping fewer whole contexts): when the pool's reused live w
 router's, `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity, the caches and not
 the compute bind the pool, and no split is made (on the agent sessions the splits made there cost
 +69 % mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted
-mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute). When none
-is, as one step may gain little where several do, the best of all compositions (`target_composition`)
-is compared with the current one; while it is better by the same margins, a step toward it is made
-if predicted below staying by a fifth of `min_gain` (each step drains workers), or, while the
-window's load is above 1, if its cost (its predicted excess over staying, times the window's
-arrivals) is covered by the regret of staying: each arrival since adds the TTFT the target would
-save it (the break-even rule of ski rental; `serving.policy.composition_steps.StayingRegret`),
-cleared when the target stops paying by the margins, the load falls to 1 or a change is made. (With
-queues that grow, a window's replay ends before the cost of staying does; at a load below 1 a step
-must pay on the window: a light window cannot show the bursts a pool was chosen for.) One change
+mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change
 at a time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
 change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
 noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
@@ -69,17 +60,17 @@ and which reconfigured under overload when draining costs the most. `choose_init
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
-from serving.policy.composition_steps import StayingRegret, candidate_changes
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
 from serving.policy.whatif import (Sample, Window, moves_toward, replay_ttft,
                                    target_composition)
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import (WorkerState, WorkerStatus, host_degree_cap,
+from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
                                    merge_buddies, split_halves)
 
 
@@ -117,7 +108,6 @@ class CompositionController:
         self._replan_at: float | None = None
         self._plan_stay = 0.0
         self._chain = False  # the last evaluation made an overload step
-        self._regret = StayingRegret()  # the credit of steps toward the target (module doc)
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -141,7 +131,6 @@ class CompositionController:
         if self._horizon and now < self._horizon[-1][0]:
             now = self._horizon[-1][0]
         sample = (now, request.input_len, cached_len)
-        self._regret.arrive()
         self._samples.append(sample)
         self._horizon.append(sample)
         if request.input_len > self.longest:
@@ -199,7 +188,6 @@ class CompositionController:
                 entry["reason"] = f"not made: {e}"
                 self.decisions.append(entry)
                 return
-            self._regret.reset()
             self._quiet_until = now if urgent else now + cfg.cooldown_s
             if urgent:
                 self._next_eval = now
@@ -241,9 +229,8 @@ class CompositionController:
         if any(w.can_hold(r) for w in active):
             self._unheld = None
             return None
-        merges = [(olds, news) for olds, news in candidate_changes(
-            active, now, set(self._degrees(scheduler, active)), self.config, self.max_input_len,
-            self.longest) if len(news) < len(olds)]
+        merges = [(olds, news) for olds, news in self._changes(
+            active, now, set(self._degrees(scheduler, active))) if len(news) < len(olds)]
         if not merges:
             return None
         olds, news = max(merges, key=lambda m: m[1][0])
@@ -277,8 +264,7 @@ class CompositionController:
         options = []
         last_kind, last_time = self._last
         kv_bound = kv_pressure(scheduler, active, now)
-        for olds, news in candidate_changes(active, now, set(degrees), cfg, self.max_input_len,
-                                            self.longest):
+        for olds, news in self._changes(active, now, set(degrees)):
             kind = "split" if len(news) > len(olds) else "merge"
             if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
                 continue  # no undoing a change before `reverse_after_s` (no flapping)
@@ -320,25 +306,18 @@ class CompositionController:
             # One step may gain little where several do (overload on large workers): compare
             # every composition with the current one on equal terms (each worker starting with
             # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
-            # way) and, while the best is better by the margin, take a step toward it that
-            # gains a fifth of the margin itself (each one drains workers), or, while the load
-            # is above 1, whose cost on the window the regret of staying covers (module doc).
+            # way) and, when the best is better by the margin, take a step toward it that is
+            # itself predicted no worse than staying.
             target, target_ttft, now_ttft, backlog = self._target(active, window, now)
             figures += [("current, beyond the backlog", now_ttft - backlog),
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
+            # the step itself must gain too (a fifth of the margin): each one drains workers
+            toward = [o for o in options if o[0] <= stay * (1 - cfg.min_gain / 5)
+                      and moves_toward(
+                          [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
             gain = now_ttft - target_ttft
-            if not (gain > (now_ttft - backlog) * cfg.min_gain and gain >= cfg.min_gain_s):
-                self._regret.reset()
-                return None, figures, False
-            if load > 1.0:  # queues grow: the regret of staying accrues (module doc)
-                figures.append(("regret of staying (TTFT-s)", self._regret.accrue(gain)))
-            else:
-                self._regret.reset()
-            toward = [o for o in options if moves_toward(
-                [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target) and (
-                o[0] <= stay * (1 - cfg.min_gain / 5)
-                or load > 1.0 and self._regret.covers(o[0] - stay, len(sample)))]
-            if not toward:
+            if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
+                                  and gain >= cfg.min_gain_s):
                 return None, figures, False
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
@@ -346,8 +325,8 @@ class CompositionController:
         horizon = self._loses_on_horizon(scheduler, active, olds, news, now, len(sample),
                                          figures)
         if horizon is not None:
-            self._vetoed = (f"{figures[1][0]} is chosen on the window but loses to staying "
-                            f"on {horizon}")
+            self._vetoed = (f"{label} beats staying by the margin on the window but not on "
+                            f"{horizon}")
             return None, figures, False
         return self._op(scheduler, olds, news), figures, False
 
@@ -397,3 +376,25 @@ class CompositionController:
                    default=max(degrees))
         return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
                                   window, cfg.lam, degrees, need)
+
+    def _changes(self, active: Sequence[WorkerState], now: float, known):
+        """Per degree, the split and the merge that drain first: `(old workers, new degrees)`,
+        into degrees in `known` only (those the cost model and the window predict)."""
+        cfg = self.config
+        now_load = {w.worker_id: w.outstanding_seconds(now) for w in active}
+        holders = [w for w in active if w.spec.max_input_len >= self.longest]
+        for c in sorted({w.cp_degree for w in active}):
+            if c // 2 >= cfg.min_degree and c // 2 in known:
+                cands = [w for w in active if w.cp_degree == c and not (
+                    holders == [w] and self.max_input_len(c // 2) < self.longest)]
+                if cands:
+                    w = min(cands, key=lambda w: (now_load[w.worker_id], w.spec.first_device))
+                    yield [w], [c // 2, c // 2]
+            if 2 * c <= cfg.max_degree and 2 * c in known:
+                pairs = [(a, b) for a, b in itertools.combinations(
+                    [w for w in active if w.cp_degree == c], 2) if are_buddies(a.spec, b.spec)]
+                if pairs:
+                    a, b = min(pairs, key=lambda p: (
+                        max(now_load[p[0].worker_id], now_load[p[1].worker_id]),
+                        min(p[0].spec.first_device, p[1].spec.first_device)))
+                    yield [a, b], [2 * c]

@@ -121,8 +121,8 @@ def test_a_change_refused_on_the_horizon_leaves_the_controller_as_it_was():
     stay = figures["stay, the last 1559 arrivals (600 s) from idle workers"]
     change = figures["the change, the same arrivals"]
     assert change > stay, figures
-    assert d["reason"] == ("split [0] (toward the target) is chosen on the window but loses to "
-                           "staying on the last 1559 arrivals (600 s)")
+    assert d["reason"] == ("split [0] beats staying by the margin on the window but not on "
+                           "the last 1559 arrivals (600 s)")
 
 
 def test_a_change_refused_on_the_horizon_is_logged_and_the_overload_rule_is_exempt(
@@ -141,8 +141,8 @@ def test_a_change_refused_on_the_horizon_is_logged_and_the_overload_rule_is_exem
     assert not [d for d in ctl.decisions if d.get("kind")]
     refused = [d for d in ctl.decisions if "on the window but" in d["reason"]]
     assert refused and refused[0]["reason"] == (
-        "merge [0, 1] (toward the target) is chosen on the window but loses to "
-        "staying on the last 5 arrivals (9 s)"), ctl.decisions[:3]
+        "merge [0, 1] beats staying by the margin on the window but not on the last 5 "
+        "arrivals (9 s)"), ctl.decisions[:3]
     times = poisson(2700, 90.0, 2)
     lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
     reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),

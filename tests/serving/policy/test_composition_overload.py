@@ -32,14 +32,13 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
     # Every change is predicted 1 % worse than staying (the window holds a step's drain but
     # not the queue growth it stops), from the second step on or from the first. Started, the
     # rule goes on splitting while the load is above 1; it starts only on a step predicted no
-    # worse than staying. (From the first: the steps toward the target that the regret of
-    # staying covers are refused on the horizon, where the change is as much worse.)
+    # worse than staying.
     ctl = CompositionController(CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1,
                                                   max_degree=8), lambda c: 100_000)
     handle, stay = [], [0.0]
     real = composition.replay_ttft
 
-    def replay(comp, window, lam, start=None):
+    def replay(comp, window, lam, start):
         ttft, unheld = real(comp, window, lam, start)
         if sorted(comp) == sorted(handle[0].composition):
             stay[0] = ttft  # (staying is replayed first)
@@ -53,8 +52,6 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
     if worse_from_step == 0:
         assert not splits, splits[:1]
-        assert any("(toward the target) is chosen on the window but loses" in d["reason"]
-                   for d in ctl.decisions), ctl.decisions[:2]
         assert dict(ctl.decisions[0]["candidates"])["load (work / capacity) staying"] > 1.25
         return
     assert len(splits) >= 3 and max(handle[0].composition) <= 4, handle[0].composition
