@@ -55,8 +55,7 @@ class GroundTruthProfile:
     """
 
     def __init__(self, table, noise_sigma: float = 0.0, seed: int = 0):
-        if not (np.isfinite(noise_sigma) and noise_sigma >= 0):
-            raise ValueError(f"noise_sigma={noise_sigma} must be finite and >= 0")
+        self._reset_noise(noise_sigma, seed)  # (validates noise_sigma first)
         cp = np.asarray(table.cp)
         L = np.asarray(table.input_len)
         h = np.asarray(table.cached_len)
@@ -76,20 +75,19 @@ class GroundTruthProfile:
                 rows.append(([hh / Li for hh in hs], [sum(points[Li][hh]) / len(points[Li][hh])
                                                       for hh in hs]))
             self._degrees[c] = (lens, rows)
-        self._reset_noise(noise_sigma, seed)
 
     def with_noise(self, noise_sigma: float = 0.0, seed: int = 0) -> GroundTruthProfile:
         """The profile `GroundTruthProfile(table, noise_sigma, seed)` would give, sharing this
         one's interpolation rows (read-only) instead of parsing the table again: a fresh,
         seeded noise stream. Raises ValueError as the constructor does on noise_sigma."""
-        if not (np.isfinite(noise_sigma) and noise_sigma >= 0):
-            raise ValueError(f"noise_sigma={noise_sigma} must be finite and >= 0")
         new = object.__new__(GroundTruthProfile)
-        new._degrees = self._degrees
         new._reset_noise(noise_sigma, seed)
+        new._degrees = self._degrees
         return new
 
     def _reset_noise(self, noise_sigma: float, seed: int) -> None:
+        if not (np.isfinite(noise_sigma) and noise_sigma >= 0):
+            raise ValueError(f"noise_sigma={noise_sigma} must be finite and >= 0")
         self._sigma = float(noise_sigma)
         self._rng = np.random.default_rng(seed)
         self._noise: list[float] = []
