@@ -9,7 +9,8 @@ the last evaluation by the mean TTFT that evaluation predicted for staying, and 
 load (below) is above 1, the demand's backlog, an evaluation comes at once (in a cooldown only
 of the overload rule, below; one that changes nothing keeps the schedule), so a burst after a
 quiet phase is met within seconds, not at the next interval; a backlog the load does not
-explain is a burst the pool absorbs, and the schedule is kept):
+explain is a burst the pool absorbs, and the schedule is kept; with no evaluation yet, no plan:
+once the window holds `max_samples` arrivals any backlog is beyond it):
 
 - *stay*: the current workers, each starting with its outstanding work;
 - *split* one worker of degree 2C (per degree, the one that drains first) into two of C;
@@ -60,18 +61,17 @@ and which reconfigured under overload when draining costs the most. `choose_init
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from serving.policy.composition_changes import candidate_changes, change_op
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
 from serving.policy.whatif import (Sample, Window, moves_toward, replay_ttft,
                                    target_composition)
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
-                                   merge_buddies, split_halves)
+from serving.policy.worker import WorkerState, WorkerStatus, host_degree_cap
 
 
 class CompositionController:
@@ -107,6 +107,7 @@ class CompositionController:
         # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc)
         self._replan_at: float | None = None
         self._plan_stay = 0.0
+        self._planned = False  # an evaluation has run (before it, see `tick`)
         self._chain = False  # the last evaluation made an overload step
 
     def attach(self, scheduler) -> None:
@@ -154,8 +155,10 @@ class CompositionController:
         if scheduler.reconfig.in_progress:
             return
         early = now < self._next_eval or now < self._quiet_until  # (module doc)
+        if not self._planned and len(self._samples) >= cfg.max_samples:
+            self._replan_at = 0.0 if self._replan_at is None else self._replan_at  # (module doc)
         if early and (self._replan_at is None or pool_backlog(scheduler.workers.values(), now)
-                      < self._replan_at):
+                      <= self._replan_at):
             return
         samples = self._samples
         while samples and samples[0][0] <= now - cfg.window_s:
@@ -175,6 +178,7 @@ class CompositionController:
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
         kept, self._next_eval, self._replan_at = self._next_eval, now + cfg.interval_s, None
+        self._planned = True
         if early and op is None:  # (an early evaluation that changes nothing keeps it)
             self._next_eval = kept
         entry = {"time": now, "samples": len(sample), "candidates": figures,
@@ -229,20 +233,22 @@ class CompositionController:
         if any(w.can_hold(r) for w in active):
             self._unheld = None
             return None
-        merges = [(olds, news) for olds, news in self._changes(
-            active, now, set(self._degrees(scheduler, active))) if len(news) < len(olds)]
+        merges = [(olds, news) for olds, news in candidate_changes(
+            active, now, set(self._degrees(scheduler, active)), self.config, self.longest,
+            self.max_input_len) if len(news) < len(olds)]
         if not merges:
             return None
         olds, news = max(merges, key=lambda m: m[1][0])
         label = f"merge {[w.worker_id for w in olds]} (to hold {r.input_len} tokens)"
-        return self._op(scheduler, olds, news), [("stay", float("nan")), (label, float("nan"))]
+        return (change_op(scheduler, olds, self.max_input_len),
+                [("stay", float("nan")), (label, float("nan"))])
 
     def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
               elapsed: float | None = None):
         """`(op or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
-        the best; `overloaded` when the op is the overload rule's (module doc). `early` (the
-        backlog beyond the plan): `(None, None, False)` for a load the module doc keeps the
-        schedule for. `elapsed`: seconds from the sample's first arrival to now."""
+        the best; `overloaded` when the op is the overload rule's (module doc). `early`: `(None,
+        None, False)` for a load the module doc keeps the schedule for. `elapsed`: seconds from
+        the sample's first arrival to now."""
         cfg = self.config
         self._vetoed = None
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
@@ -264,7 +270,8 @@ class CompositionController:
         options = []
         last_kind, last_time = self._last
         kv_bound = kv_pressure(scheduler, active, now)
-        for olds, news in self._changes(active, now, set(degrees)):
+        for olds, news in candidate_changes(active, now, set(degrees), cfg, self.longest,
+                                            self.max_input_len):
             kind = "split" if len(news) > len(olds) else "merge"
             if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
                 continue  # no undoing a change before `reverse_after_s` (no flapping)
@@ -298,7 +305,7 @@ class CompositionController:
             if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
                     self._chain or best[0] <= stay):
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
-                return self._op(scheduler, best[2], best[3]), figures, True
+                return change_op(scheduler, best[2], self.max_input_len), figures, True
         if quiet:
             return None, figures, False
         ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
@@ -328,7 +335,7 @@ class CompositionController:
             self._vetoed = (f"{label} beats staying by the margin on the window but not on "
                             f"{horizon}")
             return None, figures, False
-        return self._op(scheduler, olds, news), figures, False
+        return change_op(scheduler, olds, self.max_input_len), figures, False
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
                           figures: list) -> str | None:
@@ -358,15 +365,6 @@ class CompositionController:
             return span if unheld_after > unheld else None
         return span if ttft > stay else None
 
-    def _op(self, scheduler, olds, news):
-        """The `begin_reconfiguration` arguments of replacing `olds` by workers of `news`."""
-        if len(olds) == 1:
-            new = split_halves(olds[0].spec, scheduler.new_worker_ids(2), self.max_input_len)
-            return "split", [olds[0].worker_id], list(new)
-        [new_id] = scheduler.new_worker_ids(1)
-        return ("merge", [olds[0].worker_id, olds[1].worker_id],
-                [merge_buddies(olds[0].spec, olds[1].spec, new_id, self.max_input_len)])
-
     def _target(self, active, window: Window, now: float):
         """`serving.policy.whatif.target_composition` for the pool (a worker for the longest
         prompt kept, degrees within the config's range)."""
@@ -376,25 +374,3 @@ class CompositionController:
                    default=max(degrees))
         return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
                                   window, cfg.lam, degrees, need)
-
-    def _changes(self, active: Sequence[WorkerState], now: float, known):
-        """Per degree, the split and the merge that drain first: `(old workers, new degrees)`,
-        into degrees in `known` only (those the cost model and the window predict)."""
-        cfg = self.config
-        now_load = {w.worker_id: w.outstanding_seconds(now) for w in active}
-        holders = [w for w in active if w.spec.max_input_len >= self.longest]
-        for c in sorted({w.cp_degree for w in active}):
-            if c // 2 >= cfg.min_degree and c // 2 in known:
-                cands = [w for w in active if w.cp_degree == c and not (
-                    holders == [w] and self.max_input_len(c // 2) < self.longest)]
-                if cands:
-                    w = min(cands, key=lambda w: (now_load[w.worker_id], w.spec.first_device))
-                    yield [w], [c // 2, c // 2]
-            if 2 * c <= cfg.max_degree and 2 * c in known:
-                pairs = [(a, b) for a, b in itertools.combinations(
-                    [w for w in active if w.cp_degree == c], 2) if are_buddies(a.spec, b.spec)]
-                if pairs:
-                    a, b = min(pairs, key=lambda p: (
-                        max(now_load[p[0].worker_id], now_load[p[1].worker_id]),
-                        min(p[0].spec.first_device, p[1].spec.first_device)))
-                    yield [a, b], [2 * c]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -76,16 +77,48 @@ def test_overload_on_large_workers_splits_at_the_first_evaluation():
     handle = []
     simulate(reqs, specs, COST, VertumnusRouter(), COST.predict, SIM,
              setup=[ctl.attach, handle.append])
-    first = ctl.decisions[0]
-    assert first["time"] <= reqs[0].arrival_time + 5.0 + SIM.tick_interval, first
-    assert first.get("kind") == "split", first
+    # (the evaluations before it are early ones, on a second or two of arrivals)
+    first = next(d for d in ctl.decisions if d.get("kind"))
+    assert first["time"] <= reqs[0].arrival_time + 5.0 + SIM.tick_interval, ctl.decisions[:3]
+    assert first["kind"] == "split", first
     # logged: the window's work is above the pool's capacity, and the split lowers it
     figures = dict(first["candidates"])
     assert figures["load (work / capacity) staying"] > 1.0, first["candidates"]
     chosen = first["candidates"][1]
-    assert chosen[0].startswith("split [0] (load ") and chosen[1] < figures["stay"]
+    assert re.fullmatch(r"split \[[01]\] \(load [\d.]+\)", chosen[0]), chosen
+    assert chosen[1] < figures["stay"], first["candidates"]
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
     assert len(splits) >= 3 and max(handle[0].composition) <= 4, handle[0].composition
+
+
+def test_overload_from_the_start_splits_within_seconds_with_the_default_knobs():
+    # The case from a cold start with the default knobs (evaluations every 30 s): the
+    # backlog is beyond the plan from the first tick (there is no plan before the first
+    # evaluation), so the overload is evaluated early and the first split comes within seconds,
+    # not at the first regular evaluation 30 s in (when the backlog is about 0.4 x 30 s).
+    times = poisson(1800, 90.0, 2)
+    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
+    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
+                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
+             SIM, setup=[ctl.attach])
+    first = next(d for d in ctl.decisions if d.get("kind"))
+    assert first["kind"] == "split" and first["early"] and first["time"] < 10.0, ctl.decisions[:3]
+    assert dict(first["candidates"])["load (work / capacity) staying"] > 1.25, first
+
+
+def test_an_idle_pool_is_not_evaluated_early():
+    # No backlog, no early evaluation: a trickle of short prompts on [8, 8] is evaluated at the
+    # regular times only (30 s apart from the first tick).
+    reqs = [Request(f"r{i}", 3.0 * i, 1000, 1, chain_block_hashes([i * 10, i * 10 + 1]), 512)
+            for i in range(40)]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
+             SIM, setup=[ctl.attach])
+    assert ctl.decisions and not any(d["early"] for d in ctl.decisions), ctl.decisions[:3]
+    times = [d["time"] for d in ctl.decisions]
+    assert all(b - a == pytest.approx(30.0, abs=1.01) for a, b in zip(times, times[1:])), times
 
 
 def test_overload_splits_follow_each_other_without_the_cooldown():
@@ -204,14 +237,17 @@ def test_the_load_counts_each_degree_at_its_own_cost(rate, step):
     ctl = CompositionController(cfg, lambda c: 100_000)
     simulate(reqs, layout_workers([4, 4, 4, 2, 2], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
-    first = ctl.decisions[0]
+    first = ctl.decisions[0]  # (early: once the window is full, any backlog is beyond no plan)
     n = first["samples"]  # the window's most recent `max_samples`, (n - 1) / rate s apart
-    assert n == cfg.max_samples
+    assert n == cfg.max_samples and first["early"], first
     expected = rate / (3 / t4 + 2 / t2) * n / (n - 1)
     assert dict(first["candidates"])["load (work / capacity) staying"] == pytest.approx(expected)
-    assert ("(load " in first["chosen"]) == step, first
-    if step:
-        assert first["kind"] == "split" and first["old"][0] in (0, 1, 2), first
+    made = [d for d in ctl.decisions if d.get("kind")]
+    assert any("(load " in d["chosen"] for d in made) == step, made[:2]
+    if step:  # early, before the first regular evaluation (the window full: `tick`)
+        assert made[0]["kind"] == "split" and made[0]["old"][0] in (0, 1, 2), made[0]
+        assert "(load " in made[0]["chosen"] and made[0]["early"], made[0]
+        assert made[0]["time"] < cfg.interval_s, made[0]
 
 
 @pytest.mark.parametrize("recarve_s, merges", [(1.0, True), (500.0, False)])
@@ -232,7 +268,9 @@ def test_a_merge_is_made_only_when_the_gain_exceeds_the_transition(recarve_s, me
     if merges:
         assert made[0]["kind"] == "merge"
     else:
-        assert all(d["reason"] == "no candidate beats staying by the margin" for d in ctl.decisions)
+        assert all(d["reason"] in ("no candidate beats staying by the margin",
+                                   "early (backlog beyond the plan): no change pays")
+                   for d in ctl.decisions), ctl.decisions[:3]
 
 
 def test_initial_composition_prefers_small_degrees_for_short_prompts_and_large_for_long():

@@ -9,6 +9,7 @@ import pytest
 
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
 from serving.policy.composition import CompositionConfig, CompositionController
+from serving.policy.composition_changes import candidate_changes
 from serving.policy.controller import ControllerConfig, ReconfigurationController
 from serving.policy.fetch_router import FetchingVertumnusRouter
 from serving.policy.prefix_trie import GlobalPrefixTrie
@@ -85,13 +86,15 @@ def test_threshold_controller_never_merges_across_hosts():
 def test_composition_controller_caps_degrees_at_a_host():
     s = _pool([4, 4, 4, 4], 8)
     ctl = CompositionController(CompositionConfig(max_degree=16), lambda c: 1 << 20)
-    changes = list(ctl._changes(list(s.workers.values()), 0.0, {1, 2, 4, 8, 16}))
+    changes = list(candidate_changes(list(s.workers.values()), 0.0, {1, 2, 4, 8, 16}, ctl.config,
+                                     0, ctl.max_input_len))
     merges = [(sorted(w.worker_id for w in olds), news) for olds, news in changes
               if len(olds) == 2]
     assert merges and all(s.workers[a].spec.host == s.workers[b].spec.host
                           for (a, b), _ in merges)
     s2 = _pool([8, 8], 8)
-    assert not [o for o, n in ctl._changes(list(s2.workers.values()), 0.0, {4, 8, 16})
+    assert not [o for o, n in candidate_changes(list(s2.workers.values()), 0.0, {4, 8, 16},
+                                                ctl.config, 0, ctl.max_input_len)
                 if len(o) == 2]
 
 
