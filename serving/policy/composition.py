@@ -9,8 +9,9 @@ the last evaluation by the mean TTFT that evaluation predicted for staying, and 
 load (below) is above 1, the demand's backlog, an evaluation comes at once (in a cooldown only
 of the overload rule, below; one that changes nothing keeps the schedule), so a burst after a
 quiet phase is met within seconds, not at the next interval; a backlog the load does not
-explain is a burst the pool absorbs, and the schedule is kept; with no evaluation yet, no plan:
-once the window holds `max_samples` arrivals any backlog is beyond it):
+explain is a burst the pool absorbs, and the schedule is kept; until an evaluation predicts a
+stay (not one refused or overloaded) there is no plan, and once the window holds `max_samples`
+arrivals any backlog is beyond it):
 
 - *stay*: the current workers, each starting with its outstanding work;
 - *split* one worker of degree 2C (per degree, the one that drains first) into two of C;
@@ -107,7 +108,7 @@ class CompositionController:
         # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc)
         self._replan_at: float | None = None
         self._plan_stay = 0.0
-        self._planned = False  # an evaluation has run (before it, see `tick`)
+        self._planned = False  # a plan was made (before one, see `tick`)
         self._chain = False  # the last evaluation made an overload step
 
     def attach(self, scheduler) -> None:
@@ -154,15 +155,15 @@ class CompositionController:
             self._next_eval = now + cfg.interval_s
         if scheduler.reconfig.in_progress:
             return
+        samples = self._samples
+        while samples and samples[0][0] <= now - cfg.window_s:
+            samples.popleft()
         early = now < self._next_eval or now < self._quiet_until  # (module doc)
-        if not self._planned and len(self._samples) >= cfg.max_samples:
+        if not self._planned and len(samples) >= cfg.max_samples:
             self._replan_at = 0.0 if self._replan_at is None else self._replan_at  # (module doc)
         if early and (self._replan_at is None or pool_backlog(scheduler.workers.values(), now)
                       <= self._replan_at):
             return
-        samples = self._samples
-        while samples and samples[0][0] <= now - cfg.window_s:
-            samples.popleft()
         hold = self._hold_step(scheduler, now)
         if not samples and hold is None:
             self._next_eval = self._next_eval if early else now + cfg.interval_s
@@ -178,7 +179,6 @@ class CompositionController:
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
         kept, self._next_eval, self._replan_at = self._next_eval, now + cfg.interval_s, None
-        self._planned = True
         if early and op is None:  # (an early evaluation that changes nothing keeps it)
             self._next_eval = kept
         entry = {"time": now, "samples": len(sample), "candidates": figures,
@@ -205,11 +205,12 @@ class CompositionController:
         elif self._vetoed is not None:
             entry["reason"] = self._vetoed
         else:
-            entry["reason"] = "early (backlog beyond the plan): no change pays" if early else \
-                "no candidate beats staying by the margin"
+            entry["reason"] = ("early (backlog beyond the plan): no change pays" if self._planned
+                               else "early (a backlog, no plan yet): no change pays") if early \
+                else "no candidate beats staying by the margin"
         stay = figures[0][1]
         if not urgent and stay > 0 and stay < float("inf"):  # (not NaN)
-            self._plan_stay = stay
+            self._plan_stay, self._planned = stay, True
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
         self.decisions.append(entry)
 

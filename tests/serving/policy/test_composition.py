@@ -16,6 +16,7 @@ from serving.policy.whatif import choose_initial
 from serving.policy.cost_model import PrefillCostModel
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.profiles import generate_profile
+from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.worker import layout_workers
 
@@ -25,6 +26,26 @@ SIM = SimConfig(kv_transfer_gb_per_s=0.0, first_token_seconds=0.0, tick_interval
 
 def poisson(n, rate, seed):
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
+
+
+def short_prompts(n, rate):
+    """`n` 1-3K-token prompts, Poisson at `rate` req/s from 0 (issue 15's overload case)."""
+    times = poisson(n, rate, 2)
+    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
+    return [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
+                    512) for i, (t, n) in enumerate(zip(times, lens))]
+
+
+def refuse_once(scheduler):
+    """Makes `scheduler` refuse its first `begin_reconfiguration` (`StrandedRequests`)."""
+    begin, calls = scheduler.begin_reconfiguration, []
+
+    def begin_or_refuse(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise StrandedRequests("refused", [], 0)
+        return begin(*args)
+    scheduler.begin_reconfiguration = begin_or_refuse
 
 
 def shared_prompt_requests(n=600, rate=None, seed=0, degree=2, workers=8):
@@ -66,18 +87,14 @@ def test_overload_on_large_workers_splits_at_the_first_evaluation():
     # (the issue's case: the paper's controller never saw the overload). The what-if controller
     # sees the window's work above capacity at its first evaluation, splits, and keeps
     # splitting while that lowers the load.
-    rng = np.random.default_rng(1)
-    times = poisson(2700, 90.0, 2)
-    lens = rng.integers(1000, 3000, len(times)).tolist()
-    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
-                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    reqs = short_prompts(2700, 90.0)
     cfg = CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1, max_degree=8)
     ctl = CompositionController(cfg, lambda c: 100_000)
     specs = layout_workers([8, 8], 10_000, 100_000)
     handle = []
     simulate(reqs, specs, COST, VertumnusRouter(), COST.predict, SIM,
              setup=[ctl.attach, handle.append])
-    # (the evaluations before it are early ones, on a second or two of arrivals)
+    # (early: before the regular evaluation at 5 s, once the window holds `max_samples`)
     first = next(d for d in ctl.decisions if d.get("kind"))
     assert first["time"] <= reqs[0].arrival_time + 5.0 + SIM.tick_interval, ctl.decisions[:3]
     assert first["kind"] == "split", first
@@ -96,16 +113,35 @@ def test_overload_from_the_start_splits_within_seconds_with_the_default_knobs():
     # backlog is beyond the plan from the first tick (there is no plan before the first
     # evaluation), so the overload is evaluated early and the first split comes within seconds,
     # not at the first regular evaluation 30 s in (when the backlog is about 0.4 x 30 s).
-    times = poisson(1800, 90.0, 2)
-    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
-    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
-                    512) for i, (t, n) in enumerate(zip(times, lens))]
     ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
-    simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
-             SIM, setup=[ctl.attach])
+    simulate(short_prompts(1800, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
+             VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
     first = next(d for d in ctl.decisions if d.get("kind"))
     assert first["kind"] == "split" and first["early"] and first["time"] < 10.0, ctl.decisions[:3]
     assert dict(first["candidates"])["load (work / capacity) staying"] > 1.25, first
+
+
+def test_a_refused_first_split_leaves_the_early_check_armed():
+    # As above, the scheduler refusing the first split (requests waiting would fit no worker
+    # after it): no plan was made, so the next tick evaluates early again and splits, instead
+    # of waiting for the regular evaluation at 31 s.
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    simulate(short_prompts(1800, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
+             VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach, refuse_once])
+    refused = next(d for d in ctl.decisions if d.get("reason", "").startswith("not made"))
+    split = next(d for d in ctl.decisions if d.get("kind") == "split")
+    assert refused["early"] and refused["time"] < 10.0, refused
+    assert split["early"] and split["time"] <= refused["time"] + 2 * SIM.tick_interval, split
+
+
+def test_before_a_plan_only_arrivals_within_the_window_count():
+    # `window_s` of 2 s at 90 req/s holds about 180 arrivals, fewer than `max_samples` (400):
+    # the window is never full, so the first evaluation is the regular one, 30 s in.
+    ctl = CompositionController(CompositionConfig(window_s=2.0, min_degree=1, max_degree=8),
+                                lambda c: 100_000)
+    simulate(short_prompts(3600, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
+             VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
+    assert not ctl.decisions[0]["early"] and ctl.decisions[0]["time"] >= 30.0, ctl.decisions[0]
 
 
 def test_an_idle_pool_is_not_evaluated_early():
@@ -125,10 +161,7 @@ def test_overload_splits_follow_each_other_without_the_cooldown():
     # The same overload with the default knobs (evaluations every 30 s, 60 s of cooldown after
     # a change): the splits that lower the load come one after the other as each re-carve
     # ends, not a cooldown apart (queues grow by the second meanwhile).
-    times = poisson(9000, 90.0, 2)
-    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
-    reqs = [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
-                    512) for i, (t, n) in enumerate(zip(times, lens))]
+    reqs = short_prompts(9000, 90.0)
     ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
     handle = []
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), COST.predict,
@@ -201,19 +234,7 @@ def test_an_early_change_refused_for_stranded_requests_keeps_the_schedule():
     # as above at 80 req/s, where the early evaluation at 55 s splits; here the scheduler
     # refuses that split (requests waiting would fit no worker after it): nothing changed, so
     # the regular evaluation still comes at 61 s (before, the refusal pushed it to 85 s)
-    from serving.policy.reconfiguration import StrandedRequests
     reqs, ctl = long_then_short(80, 3200)
-
-    def refuse_once(scheduler):
-        begin, calls = scheduler.begin_reconfiguration, []
-
-        def begin_or_refuse(*args):
-            calls.append(args)
-            if len(calls) == 1:
-                raise StrandedRequests("refused", [], 0)
-            return begin(*args)
-        scheduler.begin_reconfiguration = begin_or_refuse
-
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach, refuse_once])
     i = next(k for k, d in enumerate(ctl.decisions) if d.get("reason", "").startswith("not made"))
