@@ -107,8 +107,7 @@ class CompositionController:
         self._unheld: Request | None = None  # the longest prompt submitted no worker held
         # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc)
         self._replan_at: float | None = None
-        self._plan_stay = 0.0
-        self._planned = False  # a plan was made (before one, see `tick`)
+        self._plan_stay = 0.0  # > 0 once an evaluation predicted staying: a plan (see `tick`)
         self._chain = False  # the last evaluation made an overload step
 
     def attach(self, scheduler) -> None:
@@ -159,8 +158,8 @@ class CompositionController:
         while samples and samples[0][0] <= now - cfg.window_s:
             samples.popleft()
         early = now < self._next_eval or now < self._quiet_until  # (module doc)
-        if not self._planned and len(samples) >= cfg.max_samples:
-            self._replan_at = 0.0 if self._replan_at is None else self._replan_at  # (module doc)
+        if self._replan_at is None and not self._plan_stay and len(samples) >= cfg.max_samples:
+            self._replan_at = 0.0  # no plan yet: any backlog is beyond it (module doc)
         if early and (self._replan_at is None or pool_backlog(scheduler.workers.values(), now)
                       <= self._replan_at):
             return
@@ -205,12 +204,12 @@ class CompositionController:
         elif self._vetoed is not None:
             entry["reason"] = self._vetoed
         else:
-            entry["reason"] = ("early (backlog beyond the plan): no change pays" if self._planned
-                               else "early (a backlog, no plan yet): no change pays") if early \
-                else "no candidate beats staying by the margin"
+            plan = "backlog beyond the plan" if self._plan_stay else "a backlog, no plan yet"
+            entry["reason"] = f"early ({plan}): no change pays" if early else \
+                "no candidate beats staying by the margin"
         stay = figures[0][1]
         if not urgent and stay > 0 and stay < float("inf"):  # (not NaN)
-            self._plan_stay, self._planned = stay, True
+            self._plan_stay = stay
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
         self.decisions.append(entry)
 
