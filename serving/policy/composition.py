@@ -45,7 +45,11 @@ at a time, then `cooldown_s` (except after an overload's step or a refused promp
 change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
 noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
 not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers: a
-window of a passing burst predicts a gain the arrivals after it do not give. Every evaluation is
+window of a passing burst predicts a gain the arrivals after it do not give. With no candidate
+better by the margin, every composition is compared with the current one on equal terms
+(`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is
+made, or (the window shows a step's drain, not its gain) one the horizon repays
+(`composition_horizon.HorizonReplay.repays`). Every evaluation is
 logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change was
 made and why.
 
@@ -67,6 +71,7 @@ from collections.abc import Callable, Sequence
 
 from serving.policy.composition_changes import candidate_changes, change_op
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
+from serving.policy.composition_horizon import replay_horizon
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
 from serving.policy.whatif import (Sample, Window, moves_toward, replay_ttft,
@@ -323,9 +328,11 @@ class CompositionController:
                       and moves_toward(
                           [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
             gain = now_ttft - target_ttft
-            if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
-                                  and gain >= cfg.min_gain_s):
+            if not (gain > (now_ttft - backlog) * cfg.min_gain and gain >= cfg.min_gain_s):
                 return None, figures, False
+            if not toward:  # the window shows the steps' drain only: one the horizon repays
+                return self._repaid_step(scheduler, active, options, target, stay, now,
+                                         len(sample), figures)
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
@@ -337,33 +344,48 @@ class CompositionController:
             return None, figures, False
         return change_op(scheduler, olds, self.max_input_len), figures, False
 
+    def _on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
+                    figures: list):
+        """`composition_horizon.replay_horizon` of the change (`olds` replaced by workers of
+        degrees `news`) on the last `reverse_after_s` of arrivals (at most the `4 *
+        max_samples` most recent); its two figures are logged."""
+        current = [w.cp_degree for w in active]
+        h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
+                           + list(news), now, window_len, self.config,
+                           scheduler.cost_model.predict, self.max_input_len)
+        if h is not None:
+            figures += [(f"stay, {h.span} from idle workers", h.stay),
+                        ("the change, the same arrivals", h.change)]
+        return h
+
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
                           figures: list) -> str | None:
-        """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
-        staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
-        most recent: the span is logged) replayed from idle workers, else those arrivals ("the
-        last N arrivals (S s)"); both figures are logged. A change stands that long, and a
-        passing burst's window predicts a gain later arrivals do not give (a CP-8 split for a
-        burst of long documents; eval/RESULTS.md). Holding fewer arrivals loses, then a higher
-        mean TTFT over them (a tie does not). None when the horizon holds no more arrivals than
-        the window. Not for the overload rule: an overloaded pool's queues grow regardless."""
-        cfg = self.config
-        recent = [(t, n, h) for t, n, h in self._horizon if t > now - cfg.reverse_after_s]
-        if len(recent) <= window_len:
-            return None
+        """None if the change does not lose to staying on the horizon (`_on_horizon`;
+        `HorizonReplay.loses`), else its arrivals ("the last N arrivals (S s)"). A change stands
+        that long, and a passing burst's window predicts a gain later arrivals do not give (a
+        CP-8 split for a burst of long documents; eval/RESULTS.md). None when the horizon holds
+        no more arrivals than the window. Not for the overload rule: an overloaded pool's
+        queues grow regardless."""
+        h = self._on_horizon(scheduler, active, olds, news, now, window_len, figures)
+        return h.span if h is not None and h.loses() else None
+
+    def _repaid_step(self, scheduler, active, options, target, stay: float, now: float,
+                     window_len: int, figures: list):
+        """`(op or None, figures, False)`: the best step of `options` toward `target` when no
+        step gains on the window, made if the horizon repays it (`HorizonReplay.repays`; module
+        doc)."""
         current = [w.cp_degree for w in active]
-        changed = [w.cp_degree for w in active if w not in olds] + list(news)
-        t0 = recent[0][0]
-        window = Window.of([(t - t0, n, h) for t, n, h in recent], sorted(set(current + changed)),
-                           scheduler.cost_model.predict, self.max_input_len)
-        stay, unheld = replay_ttft(current, window, cfg.lam)
-        ttft, unheld_after = replay_ttft(changed, window, cfg.lam)
-        span = f"the last {len(recent)} arrivals ({now - t0:.0f} s)"
-        figures += [(f"stay, {span} from idle workers", stay),
-                    ("the change, the same arrivals", ttft)]
-        if unheld_after != unheld:
-            return span if unheld_after > unheld else None
-        return span if ttft > stay else None
+        steps = [o for o in options if moves_toward(current, [w.cp_degree for w in o[2]], o[3],
+                                                    target)]
+        if not steps:
+            return None, figures, False
+        ttft, label, olds, news, _ = min(steps, key=lambda o: o[0])
+        h = self._on_horizon(scheduler, active, olds, news, now, window_len, figures)
+        if h is None or not h.repays(ttft - stay, window_len, self.config.min_gain):
+            return None, figures, False
+        figures.remove((label, ttft))  # (listed once, as the step)
+        figures.insert(1, (label + " (toward the target, repaid on the horizon)", ttft))
+        return change_op(scheduler, olds, self.max_input_len), figures, False
 
     def _target(self, active, window: Window, now: float):
         """`serving.policy.whatif.target_composition` for the pool (a worker for the longest

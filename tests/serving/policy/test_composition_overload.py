@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import serving.policy.composition as composition
+import serving.policy.composition_horizon as composition_horizon
 from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_router import VertumnusRouter
@@ -38,7 +39,7 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
     handle, stay = [], [0.0]
     real = composition.replay_ttft
 
-    def replay(comp, window, lam, start):
+    def replay(comp, window, lam, start=None):
         ttft, unheld = real(comp, window, lam, start)
         if sorted(comp) == sorted(handle[0].composition):
             stay[0] = ttft  # (staying is replayed first)
@@ -47,6 +48,7 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
         return ttft, unheld
 
     monkeypatch.setattr(composition, "replay_ttft", replay)
+    monkeypatch.setattr(composition_horizon, "replay_ttft", replay)  # (the horizon's too)
     simulate(_overload(), layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[handle.append, ctl.attach])
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
