@@ -32,7 +32,8 @@ for about a second while an overloaded queue grows by the second), and the rule 
 load plus the backlog to clear by the next regular evaluation (`pool_backlog / interval_s`, logged)
 is above 1 (a step with the load at most 1 must lower it), its later steps not held to staying's
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
-capacity never clears what queued before).
+capacity never clears what queued before). The splits it would go on with are made with each
+step, their drains overlapping (`composition_changes.further_splits`, logged `and split ...`).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
 The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
@@ -67,17 +68,17 @@ and which reconfigured under overload when draining costs the most. `choose_init
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from serving.policy.composition_changes import candidate_changes, change_op
+from serving.policy.composition_changes import (candidate_changes, change_degrees, change_op,
+                                                further_splits, target_of)
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
 from serving.policy.composition_horizon import replay_horizon
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
 from serving.policy.request import Request
-from serving.policy.whatif import (Sample, Window, moves_toward, replay_ttft,
-                                   target_composition)
+from serving.policy.whatif import Sample, Window, moves_toward, replay_ttft
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import WorkerState, WorkerStatus, host_degree_cap
+from serving.policy.worker import WorkerStatus
 
 
 class CompositionController:
@@ -188,20 +189,28 @@ class CompositionController:
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
         if op is not None:
-            try:
-                rec = scheduler.begin_reconfiguration(*op, now)
-            except StrandedRequests as e:  # waiting requests need the workers it would remove
+            recs, refused = [], None
+            for one in op if isinstance(op, list) else [op]:  # (an overload's further splits)
+                try:
+                    recs.append(scheduler.begin_reconfiguration(*one, now))
+                except StrandedRequests as e:  # waiting requests need the workers it would remove
+                    refused = e
+                    break
+            if not recs:
                 self._chain = False
                 self._next_eval = kept if early else self._next_eval  # (no change: kept)
-                entry["reason"] = f"not made: {e}"
+                entry["reason"] = f"not made: {refused}"
                 self.decisions.append(entry)
                 return
+            rec = recs[0]
             self._quiet_until = now if urgent else now + cfg.cooldown_s
             if urgent:
                 self._next_eval = now
             self._last = (rec.kind, now)
             entry.update(kind=rec.kind, old=list(rec.old_ids),
                          new=[s.worker_id for s in rec.new_specs], epoch=rec.epoch,
+                         further=[{"old": list(r.old_ids), "epoch": r.epoch, "new": [
+                             s.worker_id for s in r.new_specs]} for r in recs[1:]],
                          reason="no worker holds a prompt refused" if hold
                          else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
                               f"{figures[0][1] * 1e3:.1f} ms staying" + (
@@ -219,15 +228,6 @@ class CompositionController:
         self.decisions.append(entry)
 
     # ------------------------------------------------------------------------- candidates
-    def _degrees(self, scheduler, active: Sequence[WorkerState]) -> list[int]:
-        """Degrees a change may make (allowed, predicted, within one host) and those in use."""
-        cfg = self.config
-        known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
-        top = min(cfg.max_degree, host_degree_cap(w.spec for w in active))  # inside one host
-        return sorted({w.cp_degree for w in active} | {
-            c for c in (1, 2, 4, 8, 16, 32, 64) if cfg.min_degree <= c <= top
-            and (known is None or c in known)})
-
     def _hold_step(self, scheduler, now: float):
         """`(op, figures)` of the merge making the largest worker while no worker holds the
         longest prompt refused (module doc), else None (also when no merge is possible)."""
@@ -239,7 +239,7 @@ class CompositionController:
             self._unheld = None
             return None
         merges = [(olds, news) for olds, news in candidate_changes(
-            active, now, set(self._degrees(scheduler, active)), self.config, self.longest,
+            active, now, set(change_degrees(scheduler, active, self.config)), self.config, self.longest,
             self.max_input_len) if len(news) < len(olds)]
         if not merges:
             return None
@@ -259,7 +259,7 @@ class CompositionController:
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if not active or len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))], False
-        degrees = self._degrees(scheduler, active)
+        degrees = change_degrees(scheduler, active, cfg)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         load = pool_load([w.cp_degree for w in active], window, elapsed)
         # the overload rule starts past the margin, then goes on while load + clear > 1 (module doc)
@@ -310,7 +310,15 @@ class CompositionController:
             if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
                     self._chain or best[0] <= stay):
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
-                return change_op(scheduler, best[2], self.max_input_len), figures, True
+                ops = [change_op(scheduler, best[2], self.max_input_len)]
+                for k, (olds, _, after) in enumerate(further_splits(  # (module doc)
+                        active, best[2], best[3], best[4], clear or pool_backlog(
+                            active, now) / cfg.interval_s, window, elapsed, now, set(degrees),
+                        cfg, self.longest, self.max_input_len)):
+                    ops.append(change_op(scheduler, olds, self.max_input_len))
+                    figures.insert(2 + k, (f"and split {[w.worker_id for w in olds]} (load "
+                                           f"{after:.2f})", float("nan")))
+                return ops, figures, True
         if quiet:
             return None, figures, False
         ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
@@ -320,7 +328,8 @@ class CompositionController:
             # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
             # way) and, when the best is better by the margin, take a step toward it that is
             # itself predicted no worse than staying.
-            target, target_ttft, now_ttft, backlog = self._target(active, window, now)
+            target, target_ttft, now_ttft, backlog = target_of(active, window, now, cfg,
+                                                               self.longest, self.max_input_len)
             figures += [("current, beyond the backlog", now_ttft - backlog),
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
             # the step itself must gain too (a fifth of the margin): each one drains workers
@@ -386,13 +395,3 @@ class CompositionController:
         figures.remove((label, ttft))  # (listed once, as the step)
         figures.insert(1, (label + " (toward the target, repaid on the horizon)", ttft))
         return change_op(scheduler, olds, self.max_input_len), figures, False
-
-    def _target(self, active, window: Window, now: float):
-        """`serving.policy.whatif.target_composition` for the pool (a worker for the longest
-        prompt kept, degrees within the config's range)."""
-        cfg = self.config
-        degrees = [c for c in window.seconds if cfg.min_degree <= c <= cfg.max_degree]
-        need = min((c for c in degrees if self.max_input_len(c) >= self.longest),
-                   default=max(degrees))
-        return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
-                                  window, cfg.lam, degrees, need)

@@ -1,6 +1,7 @@
 """The changes the default split/merge controller weighs (`serving.policy.composition`): per
-degree, the split and the merge that drain first, and the `Scheduler.begin_reconfiguration`
-arguments of making one.
+degree, the split and the merge that drain first; the further splits an overload's step is
+made with; the degrees a change may make and the target the changes are compared with; and
+the `Scheduler.begin_reconfiguration` arguments of making one.
 
 Plain Python over the pool's `WorkerState`s.
 """
@@ -11,7 +12,10 @@ import itertools
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 from serving.policy.composition_config import CompositionConfig
-from serving.policy.worker import WorkerState, are_buddies, merge_buddies, split_halves
+from serving.policy.pool_load import pool_backlog, pool_load
+from serving.policy.whatif import Window, target_composition
+from serving.policy.worker import (WorkerState, are_buddies, host_degree_cap, merge_buddies,
+                                   split_halves)
 
 
 def candidate_changes(active: Sequence[WorkerState], now: float, known: Collection[int],
@@ -45,6 +49,34 @@ def candidate_changes(active: Sequence[WorkerState], now: float, known: Collecti
                 yield [a, b], [2 * c]
 
 
+def further_splits(active: Sequence[WorkerState], first: Sequence[WorkerState],
+                   added: Sequence[int], load: float, clear: float, window: Window,
+                   elapsed: float | None, now: float, known: Collection[int],
+                   config: CompositionConfig, longest: int,
+                   max_input_len: Callable[[int], int]
+                   ) -> list[tuple[list[WorkerState], list[int], float]]:
+    """The splits an overload's step is made with at once: the steps the rule would go on with
+    one re-carve after another (`serving.policy.composition`), made together so their drains
+    overlap. After the step replacing `first` by workers of degrees `added` (the pool's
+    `pool_load` then `load`), while `load + clear > 1` (`clear`: the backlog to clear by the
+    next evaluation, over the capacity), the split of a worker of `active` not yet changed
+    (`candidate_changes`) that lowers the load most, if it lowers it. Returns `(old workers,
+    new degrees, load after)` per further split, in order. `now`: seconds."""
+    used, added, out = list(first), list(added), []
+    while load + clear > 1.0:
+        rest = [w for w in active if w not in used]
+        more = [(pool_load([w.cp_degree for w in rest if w not in olds] + added + news, window,
+                           elapsed), olds, news)
+                for olds, news in candidate_changes(rest, now, known, config, longest,
+                                                    max_input_len) if len(news) > len(olds)]
+        if not more or min(m[0] for m in more) >= load:
+            return out
+        load, olds, news = min(more, key=lambda m: m[0])
+        used, added = used + olds, added + news
+        out.append((olds, news, load))
+    return out
+
+
 def change_op(scheduler, olds: Sequence[WorkerState], max_input_len: Callable[[int], int]):
     """`(kind, old worker ids, new WorkerSpecs)`, the `Scheduler.begin_reconfiguration`
     arguments of replacing `olds` (one worker: split into halves; two buddies: merged), with
@@ -55,3 +87,26 @@ def change_op(scheduler, olds: Sequence[WorkerState], max_input_len: Callable[[i
     [new_id] = scheduler.new_worker_ids(1)
     return ("merge", [olds[0].worker_id, olds[1].worker_id],
             [merge_buddies(olds[0].spec, olds[1].spec, new_id, max_input_len)])
+
+
+def change_degrees(scheduler, active: Sequence[WorkerState],
+                   config: CompositionConfig) -> list[int]:
+    """The CP degrees a change may make (within `config`'s range, predicted by the scheduler's
+    cost model when it names its `degrees`, within one host: `host_degree_cap`) and those
+    `active` has, ascending."""
+    known = getattr(scheduler.cost_model, "degrees", None)  # degrees it can predict
+    top = min(config.max_degree, host_degree_cap(w.spec for w in active))  # inside one host
+    return sorted({w.cp_degree for w in active} | {
+        c for c in (1, 2, 4, 8, 16, 32, 64) if config.min_degree <= c <= top
+        and (known is None or c in known)})
+
+
+def target_of(active: Sequence[WorkerState], window: Window, now: float,
+              config: CompositionConfig, longest: int, max_input_len: Callable[[int], int]):
+    """`serving.policy.whatif.target_composition` for the pool `active` at `now` (s): the
+    degrees the window predicts within `config`'s range, a worker able to hold `longest`
+    tokens kept, every worker starting with the pool's backlog (`pool_backlog`)."""
+    degrees = [c for c in window.seconds if config.min_degree <= c <= config.max_degree]
+    need = min((c for c in degrees if max_input_len(c) >= longest), default=max(degrees))
+    return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
+                              window, config.lam, degrees, need)

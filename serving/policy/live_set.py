@@ -195,7 +195,8 @@ class LiveWorkingSet:
           request_id: the request's id, or None. A request placed again within the horizon
             (re-routed when its worker drained for a split or merge) leaves the loss counts
             as they are: its blocks are live from its first placement, not lost (it still
-            counts in `reuse_rate`, as not reused on its new worker).
+            counts in `reuse_rate`, as not reused, wherever it is placed: its own first
+            placement made them live).
 
         Raises:
           ValueError: with matched_blocks, pool_matched_blocks < matched_blocks or
@@ -222,11 +223,12 @@ class LiveWorkingSet:
             self._pushed = self._pushed * REUSE_DECAY + (over if over > 0 else 0)
             if self._pushed < NO_EVIDENCE and self._lost < NO_EVIDENCE:
                 self._lost = self._pushed = 0.0  # decayed away (`victim_reuse_rate`)
+        again = request_id is not None and request_id in requests  # (placed again)
         fresh = dict.fromkeys(block_hashes, now)
         before = len(last)
         last.update(fresh)
         if block_hashes:  # (distinct blocks live before: those `update` did not add)
-            share = (len(fresh) - (len(last) - before)) / len(block_hashes)
+            share = 0.0 if again else (len(fresh) - (len(last) - before)) / len(block_hashes)
             self._reused = self._reused * REUSE_DECAY + share
             self._placed = self._placed * REUSE_DECAY + 1.0
         if request_id is not None:

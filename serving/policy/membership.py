@@ -137,6 +137,19 @@ class Membership:
         worker.queued_seconds = 0.0
         return out
 
+    def unqueue_ids(self, request_ids: Sequence[str | int]) -> list[Request]:
+        """Takes those of `request_ids` still queued (not started) off their queues, as
+        `unqueue` does; returns them in the order given (running, ended or waiting ones are
+        left as they are)."""
+        s, out = self._s, []
+        for rid in request_ids:
+            if rid in s._placements:
+                r = withdraw_queued(s._placements, rid, s.pending if s._use_pending else None)
+                if r is not None:
+                    s.rerouted.add(rid)
+                    out.append(r)
+        return out
+
     def withdraw(self, request_id: str | int, now: float, reason: str) -> bool:
         """`Scheduler.abort`: withdraws a request queued or waiting; False if running or
         not in flight."""

@@ -29,6 +29,9 @@ class Reconfiguration:
       epoch: the epoch the new workers are created under.
       started: when draining began (seconds); recarve_started: when the last old worker went
         idle and the backend began re-carving (None while draining).
+      displaced: ids of the requests queued on the old workers when draining began, placed on
+        other workers then and placed again when the change is done (`Scheduler.
+        finish_reconfiguration`).
     """
 
     kind: str
@@ -37,6 +40,7 @@ class Reconfiguration:
     epoch: int
     started: float
     recarve_started: float | None = None
+    displaced: tuple[str | int, ...] = ()
 
 
 class StrandedRequests(ValueError):

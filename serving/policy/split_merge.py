@@ -37,7 +37,8 @@ class SplitMerge:
         """Starts a split or merge: drain `old_ids`, later replace them by `new_specs`.
 
         The old workers stop taking placements at once; their queued (not started) requests
-        are re-routed through the router; a running prefill finishes under the old geometry.
+        are re-routed through the router (and, still queued when the change is done, placed
+        again: `Reconfiguration.displaced`); a running prefill finishes under the old geometry.
         When every old worker is idle the backend's `recarve(reconfiguration, now)` runs, and
         `finish_reconfiguration` activates the new workers under a new epoch.
 
@@ -55,13 +56,17 @@ class SplitMerge:
         for w in olds:
             w.status = WorkerStatus.DRAINING
             requeue += self.membership.unqueue(w)
-        self.membership.place_again(sorted(requeue, key=lambda r: r.arrival_time), now)
+        requeue.sort(key=lambda r: r.arrival_time)
+        rec.displaced = tuple(r.request_id for r in requeue)
+        self.membership.place_again(requeue, now)
         self._maybe_recarve(rec, now)
         return rec
 
     def finish_reconfiguration(self, epoch: int, now: float,
                                cached_blocks: dict[int, Sequence[int]]) -> None:
-        """The backend re-carved: the old workers leave, the new ones become ACTIVE; then
+        """The backend re-carved: the old workers leave, the new ones become ACTIVE, and the
+        requests the change displaced that still wait in a queue are placed again (they were
+        placed before the new workers existed: `Reconfiguration.displaced`); then
         `reconfigured_hooks` run (an exception of one comes out after the change is made).
 
         Args:
@@ -83,6 +88,7 @@ class SplitMerge:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
+        self.membership.place_again(self.membership.unqueue_ids(rec.displaced), now)
         self._retry_pending(now)
         for hook in self.reconfigured_hooks:
             hook(self, now)

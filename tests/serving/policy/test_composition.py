@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eval.sim.simulator import SimConfig, simulate
+import serving.policy.composition as composition
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.whatif import choose_initial
 from serving.policy.cost_model import PrefillCostModel
@@ -120,12 +121,16 @@ def test_overload_splits_follow_each_other_without_the_cooldown():
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
     assert len(splits) >= 3 and max(handle[0].composition) <= 4, ctl.decisions[:6]
     assert splits[0]["reason"].endswith("overloaded: next evaluation when done")
-    # each next step is evaluated when the last re-carve ends (`Scheduler.reconfigured_hooks`),
-    # not at the next tick: the drained prefill and `recarve_s` (1 s) apart
-    done = [x["finished"] for x in handle[0].reconfig.log]
+    # each next step is evaluated when the last re-carve of the one before ends (`Scheduler.
+    # reconfigured_hooks`), not at the next tick: the drained prefill and `recarve_s` (1 s)
+    # apart; a step's further splits (`further_splits`) re-carve at the same time
+    done = {x["epoch"]: x["finished"] for x in handle[0].reconfig.log}
     for k in (1, 2):
-        assert splits[k]["time"] == done[k - 1] != round(done[k - 1]), (splits[k], done)
+        last = max(done[e] for e in [splits[k - 1]["epoch"]] + [
+            f["epoch"] for f in splits[k - 1]["further"]])
+        assert splits[k]["time"] == last != round(last), (splits[k - 1], splits[k], done)
     assert splits[2]["time"] - splits[0]["time"] < 4.0, [d["time"] for d in splits]
+    assert any(d["further"] for d in splits), splits[:3]
 
 
 @pytest.mark.parametrize("rate, step", [(90.0, False), (115.0, True)])
@@ -278,3 +283,24 @@ def test_a_request_placed_again_is_one_arrival_of_the_window():
     s.tick(1.0)  # sets the first evaluation at 6 s
     s.tick(6.0)
     assert ctl.decisions[-1]["samples"] == 6, ctl.decisions
+
+
+def test_an_overloads_further_splits_shorten_the_transient(monkeypatch):
+    # Issue 15's case at 90 req/s from a cold start on [8, 8], default knobs. Each overload
+    # step is made with the splits the rule would go on with (`further_splits`), their drains
+    # overlapping, and the requests a change displaced are placed again on its new workers
+    # when it is done: fewer steps, each a re-carve apart, and a lower mean TTFT than one
+    # split a step (the overload rule before, run here with no further splits).
+    def run():
+        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
+                                    lambda c: 100_000)
+        recs = simulate(short_prompts(10_800, 90.0), layout_workers([8, 8], 10_000, 100_000),
+                        COST, VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
+        return [d for d in ctl.decisions if d.get("kind")], np.mean([r.ttft for r in recs])
+    steps, ttft = run()
+    assert 1 < len(steps) <= 4 and all(d["kind"] == "split" for d in steps), steps
+    assert sum(len(d["further"]) for d in steps) >= 4, steps
+    monkeypatch.setattr(composition, "further_splits", lambda *a: [])
+    one_by_one, ttft_one = run()
+    assert len(one_by_one) >= 6 and not any(d["further"] for d in one_by_one)
+    assert ttft < 0.8 * ttft_one, (ttft, ttft_one)

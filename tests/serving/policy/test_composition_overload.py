@@ -85,7 +85,17 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     op, figures, urgent = ctl._best(s, 0.0, [(i / 55.0, 2000, 0) for i in range(275)])
     assert dict(figures)["load (work / capacity) staying"] == pytest.approx(load, rel=0.02)
     if queued:
-        assert urgent and op[0] == "split" and "(load " in figures[1][0], figures
+        assert urgent and op[0][0] == "split" and "(load " in figures[1][0], figures
+        # The step the rule would go on with is made with it (`further_splits`): after one
+        # CP-8 splits, the load (55.2 a second of the window's span over what [4, 4, 8] serve)
+        # plus the backlog to clear is still above 1, so the other splits too; after both it
+        # is not, and no third split is made.
+        t4, t8 = COST.predict(4, 2000, 0), COST.predict(8, 2000, 0)
+        rate, clear = 275 / (274 / 55.0), backlog / cfg.interval_s
+        after_one, after_both = rate / (2 / t4 + 1 / t8), rate / (4 / t4)
+        assert after_one + clear > 1.0 >= after_both + clear
+        assert len(op) == 2 and op[1][0] == "split" and {op[0][1][0], op[1][1][0]} == {0, 1}
+        assert figures[2][0] == f"and split [{op[1][1][0]}] (load {after_both:.2f})", figures
     else:
         assert not urgent and all("(load " not in label for label, _ in figures), figures
 

@@ -50,6 +50,47 @@ def test_a_reroute_that_waits_is_still_one_and_its_end_clears_the_id():
     assert [r.request.request_id for r in done] == [3, 0, 1]
 
 
+def test_requests_a_change_displaced_are_placed_again_when_it_is_done():
+    # [2, 2], 2,000-token prompts at 1 ms a token over the degree (1 s each): 0 and 1 run,
+    # 2-5 queue, two on each worker. Splitting worker 0 moves its two queued requests to
+    # worker 1, the only ACTIVE one, behind its own two. When the split is done its halves are
+    # idle: the two it displaced, still queued, are placed again, one on each half (least
+    # work); worker 1 keeps its own two. Each is one arrival for the placement hooks.
+    s, backend, done, seen = make((2, 2))
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    on0, on1 = ([r.request_id for r in s.workers[w].queue] for w in (0, 1))
+    assert len(on0) == len(on1) == 2
+    rec = s.begin_reconfiguration("split", [0], split_halves(
+        s.workers[0].spec, s.new_worker_ids(2), HOLDS), 0.1)
+    assert rec.displaced == tuple(on0)
+    assert [r.request_id for r in s.workers[1].queue] == on1 + on0
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
+    assert backend.recarves == [rec]
+    s.finish_reconfiguration(rec.epoch, 1.5, {})
+    halves = [spec.worker_id for spec in rec.new_specs]
+    assert [r.request_id for r in s.workers[1].queue] == on1
+    assert sorted(rid for _, rid in backend.started[-2:]) == on0  # started at once, one a half
+    assert {wid for wid, _ in backend.started[-2:]} == set(halves)
+    assert seen[-2:] == [(rid, True) for rid in on0] and s.rerouted == set()
+    assert s.num_in_flight == 5 and [r.request.request_id for r in done] == [0]
+    # Again, but worker 1 gets through its own two and starts the first displaced one before
+    # the split is done: that one is left running; only the other is placed again.
+    s, backend, done, seen = make((2, 2))
+    for i in range(6):
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    rec = s.begin_reconfiguration("split", [0], split_halves(
+        s.workers[0].spec, s.new_worker_ids(2), HOLDS), 0.1)
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
+    for t, rid in ((1.0, 1), (1.1, on1[0]), (1.2, on1[1])):
+        s.complete(1, rid, t, PrefillResult(0, t, t))
+    assert backend.started[-1] == (1, on0[0]) and s.workers[1].queue[0].request_id == on0[1]
+    s.finish_reconfiguration(rec.epoch, 1.5, {})
+    assert backend.started[-1][1] == on0[1] and not s.workers[1].queue
+    assert backend.started[-1][0] in [spec.worker_id for spec in rec.new_specs]
+    assert seen[-1] == (on0[1], True) and s.num_in_flight == 2
+
+
 def test_composition_controller_counts_a_reroute_older_than_its_memory_once():
     # max_samples=1 keeps the 4 latest placements. Before, a re-routed request whose first
     # placement had left that memory was recorded again, as an arrival at the re-route's time.
