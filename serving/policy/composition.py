@@ -32,8 +32,9 @@ for about a second while an overloaded queue grows by the second), and the rule 
 load plus the backlog to clear by the next regular evaluation (`pool_backlog / interval_s`, logged)
 is above 1 (a step with the load at most 1 must lower it), its later steps not held to staying's
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
-capacity never clears what queued before). The splits it would go on with are made with each
-step, their drains overlapping (`composition_changes.further_splits`, logged `and split ...`).
+capacity never clears what queued before). The splits that bring the load itself to 1 are
+made with each step, their drains overlapping (`composition_changes.further_splits`, logged
+`and split ...`).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
 The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
@@ -49,8 +50,7 @@ not lose to staying on the arrivals of the last `reverse_after_s`, replayed from
 window of a passing burst predicts a gain the arrivals after it do not give. With no candidate
 better by the margin, every composition is compared with the current one on equal terms
 (`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is
-made, or (the window shows a step's drain, not its gain) one the horizon repays
-(`composition_horizon.HorizonReplay.repays`). Every evaluation is
+made. Every evaluation is
 logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change was
 made and why.
 
@@ -312,8 +312,7 @@ class CompositionController:
                 figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
                 ops = [change_op(scheduler, best[2], self.max_input_len)]
                 for k, (olds, _, after) in enumerate(further_splits(  # (module doc)
-                        active, best[2], best[3], best[4], clear or pool_backlog(
-                            active, now) / cfg.interval_s, window, elapsed, now, set(degrees),
+                        active, best[2], best[3], best[4], window, elapsed, now, set(degrees),
                         cfg, self.longest, self.max_input_len)):
                     ops.append(change_op(scheduler, olds, self.max_input_len))
                     figures.insert(2 + k, (f"and split {[w.worker_id for w in olds]} (load "
@@ -337,11 +336,9 @@ class CompositionController:
                       and moves_toward(
                           [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
             gain = now_ttft - target_ttft
-            if not (gain > (now_ttft - backlog) * cfg.min_gain and gain >= cfg.min_gain_s):
+            if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
+                                  and gain >= cfg.min_gain_s):
                 return None, figures, False
-            if not toward:  # the window shows the steps' drain only: one the horizon repays
-                return self._repaid_step(scheduler, active, options, target, stay, now,
-                                         len(sample), figures)
             ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
@@ -377,21 +374,3 @@ class CompositionController:
         queues grow regardless."""
         h = self._on_horizon(scheduler, active, olds, news, now, window_len, figures)
         return h.span if h is not None and h.loses() else None
-
-    def _repaid_step(self, scheduler, active, options, target, stay: float, now: float,
-                     window_len: int, figures: list):
-        """`(op or None, figures, False)`: the best step of `options` toward `target` when no
-        step gains on the window, made if the horizon repays it (`HorizonReplay.repays`; module
-        doc)."""
-        current = [w.cp_degree for w in active]
-        steps = [o for o in options if moves_toward(current, [w.cp_degree for w in o[2]], o[3],
-                                                    target)]
-        if not steps:
-            return None, figures, False
-        ttft, label, olds, news, _ = min(steps, key=lambda o: o[0])
-        h = self._on_horizon(scheduler, active, olds, news, now, window_len, figures)
-        if h is None or not h.repays(ttft - stay, window_len, self.config.min_gain):
-            return None, figures, False
-        figures.remove((label, ttft))  # (listed once, as the step)
-        figures.insert(1, (label + " (toward the target, repaid on the horizon)", ttft))
-        return change_op(scheduler, olds, self.max_input_len), figures, False

@@ -50,20 +50,20 @@ def candidate_changes(active: Sequence[WorkerState], now: float, known: Collecti
 
 
 def further_splits(active: Sequence[WorkerState], first: Sequence[WorkerState],
-                   added: Sequence[int], load: float, clear: float, window: Window,
-                   elapsed: float | None, now: float, known: Collection[int],
-                   config: CompositionConfig, longest: int,
-                   max_input_len: Callable[[int], int]
+                   added: Sequence[int], load: float, window: Window, elapsed: float | None,
+                   now: float, known: Collection[int], config: CompositionConfig,
+                   longest: int, max_input_len: Callable[[int], int]
                    ) -> list[tuple[list[WorkerState], list[int], float]]:
-    """The splits an overload's step is made with at once: the steps the rule would go on with
-    one re-carve after another (`serving.policy.composition`), made together so their drains
-    overlap. After the step replacing `first` by workers of degrees `added` (the pool's
-    `pool_load` then `load`), while `load + clear > 1` (`clear`: the backlog to clear by the
-    next evaluation, over the capacity), the split of a worker of `active` not yet changed
-    (`candidate_changes`) that lowers the load most, if it lowers it. Returns `(old workers,
-    new degrees, load after)` per further split, in order. `now`: seconds."""
+    """The splits an overload's step is made with at once (`serving.policy.composition`), so
+    their drains overlap: after the step replacing `first` by workers of degrees `added` (the
+    window's `pool_load` then `load`), while the load is above 1, the split of a worker of
+    `active` not yet changed (`candidate_changes`) that lowers it most, if one does. Only
+    what brings the load itself to 1 is made at once; the splits that would clear a backlog
+    beyond it come one after another, each on a fresh window (made at once, they split a
+    burst's pool down to CP-1). Returns `(old workers, new degrees, load after)` per further
+    split, in order. `now`: seconds."""
     used, added, out = list(first), list(added), []
-    while load + clear > 1.0:
+    while load > 1.0:
         rest = [w for w in active if w not in used]
         more = [(pool_load([w.cp_degree for w in rest if w not in olds] + added + news, window,
                            elapsed), olds, news)

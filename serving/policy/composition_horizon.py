@@ -1,9 +1,8 @@
 """The horizon the default split/merge controller weighs a change on (`serving.policy.composition`):
 the arrivals of the last `reverse_after_s`, the time a change stands, replayed from idle workers.
 
-Two rules read it. A change the window picks must not lose to staying there (a passing burst's
-window predicts a gain later arrivals do not give), and a step toward a better composition that
-the window shows only the drain of is made when the horizon repays that drain.
+A change the window picks must not lose to staying there: a passing burst's window predicts a
+gain later arrivals do not give.
 
 Plain Python over `serving.policy.whatif`.
 """
@@ -46,15 +45,6 @@ class HorizonReplay:
         if self.unheld_after != self.unheld:
             return self.unheld_after > self.unheld
         return self.change > self.stay
-
-    def repays(self, window_excess: float, window_len: int, min_gain: float) -> bool:
-        """Whether the change beats staying by `min_gain` (relative) holding no fewer arrivals,
-        and its gain per arrival here times the horizon's arrivals repays `window_excess` (its
-        predicted mean TTFT above staying's on the window, s) times the window's `window_len`
-        arrivals: the drain the window shows is paid back over the time the change stands."""
-        gain = self.stay - self.change
-        return (self.unheld_after <= self.unheld and self.change < self.stay * (1 - min_gain)
-                and window_excess * window_len <= gain * self.arrivals)
 
 
 def replay_horizon(horizon: Iterable[tuple[float, int, int]], current: Sequence[int],

@@ -31,7 +31,7 @@ class Reconfiguration:
         idle and the backend began re-carving (None while draining).
       displaced: ids of the requests queued on the old workers when draining began, placed on
         other workers then and placed again when the change is done (`Scheduler.
-        finish_reconfiguration`).
+        finish_reconfiguration`; with those another change done meanwhile placed).
     """
 
     kind: str

@@ -66,8 +66,11 @@ class SplitMerge:
                                cached_blocks: dict[int, Sequence[int]]) -> None:
         """The backend re-carved: the old workers leave, the new ones become ACTIVE, and the
         requests the change displaced that still wait in a queue are placed again (they were
-        placed before the new workers existed: `Reconfiguration.displaced`); then
-        `reconfigured_hooks` run (an exception of one comes out after the change is made).
+        placed before the new workers existed: `Reconfiguration.displaced`), then those that
+        waited for a worker; both count as displaced by the changes still in progress, placed
+        again when each is done (with every worker draining, the first change done would
+        otherwise keep what waited). Then `reconfigured_hooks` run (an exception of one comes
+        out after the change is made).
 
         Args:
           epoch, now: the reconfiguration's epoch; seconds.
@@ -88,8 +91,11 @@ class SplitMerge:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
-        self.membership.place_again(self.membership.unqueue_ids(rec.displaced), now)
+        moved, waiting = self.membership.unqueue_ids(rec.displaced), list(self._pending)
+        self.membership.place_again(moved, now)
         self._retry_pending(now)
+        for later in self.reconfig.in_progress.values():  # (they take their share when done)
+            later.displaced += tuple(r.request_id for r in moved + waiting)
         for hook in self.reconfigured_hooks:
             hook(self, now)
 

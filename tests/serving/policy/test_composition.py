@@ -287,10 +287,10 @@ def test_a_request_placed_again_is_one_arrival_of_the_window():
 
 def test_an_overloads_further_splits_shorten_the_transient(monkeypatch):
     # Issue 15's case at 90 req/s from a cold start on [8, 8], default knobs. Each overload
-    # step is made with the splits the rule would go on with (`further_splits`), their drains
+    # step is made with the splits that bring the load to 1 (`further_splits`), their drains
     # overlapping, and the requests a change displaced are placed again on its new workers
-    # when it is done: fewer steps, each a re-carve apart, and a lower mean TTFT than one
-    # split a step (the overload rule before, run here with no further splits).
+    # when it is done: fewer steps, each a re-carve apart, and a mean TTFT lower by over 20 %
+    # than one split a step (the overload rule before, run here with no further splits).
     def run():
         ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
                                     lambda c: 100_000)
@@ -298,9 +298,9 @@ def test_an_overloads_further_splits_shorten_the_transient(monkeypatch):
                         COST, VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
         return [d for d in ctl.decisions if d.get("kind")], np.mean([r.ttft for r in recs])
     steps, ttft = run()
-    assert 1 < len(steps) <= 4 and all(d["kind"] == "split" for d in steps), steps
+    assert all(d["kind"] == "split" for d in steps), steps
     assert sum(len(d["further"]) for d in steps) >= 4, steps
     monkeypatch.setattr(composition, "further_splits", lambda *a: [])
     one_by_one, ttft_one = run()
-    assert len(one_by_one) >= 6 and not any(d["further"] for d in one_by_one)
+    assert not any(d["further"] for d in one_by_one) and len(one_by_one) > len(steps) + 2
     assert ttft < 0.8 * ttft_one, (ttft, ttft_one)

@@ -90,19 +90,15 @@ def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
     assert split["early"] and 40.0 < split["time"] < 50.0, ctl.decisions[:3]
 
 
-@pytest.mark.parametrize("rate, repaid", [(75.0, True), (75.0, False), (80.0, True)])
+@pytest.mark.parametrize("rate", [75.0, 80.0])
 def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgrows_the_plan(
-        rate, repaid, monkeypatch):
+        rate):
     # as above, at 75 and 80 req/s: a load of 1.10 and 1.17, under the overload rule's 1.25.
     # The backlog outgrows the plan and the window's load above 1 explains it, so the full
     # comparison runs at once (before, only the overload rule could act early, and the pool
-    # waited for the evaluation at 61 s). At both rates the split it makes then pays on the
-    # horizon, not on the window (which shows its drain: `_repaid_step`). Without that rule, at
-    # 75 req/s an early evaluation that changes nothing keeps the schedule: the split comes at
-    # 61 s, not 30 s after the early one.
-    if not repaid:
-        monkeypatch.setattr(CompositionController, "_repaid_step",
-                            lambda self, *a: (None, a[-1], False))
+    # waited for the evaluation at 61 s). At 80 req/s its split pays then; at 75 it does not
+    # yet, and an early evaluation that changes nothing keeps the schedule: the split comes
+    # at 61 s, not 30 s after the early one.
     reqs, ctl = long_then_short(rate, int(40 * rate))
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
@@ -111,10 +107,9 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
     load = dict(early[0]["candidates"])["load (work / capacity) staying"]
     assert 1.0 < load < 1.25, early[0]
     split = next(d for d in ctl.decisions if d.get("kind") == "split")
-    if repaid:
+    if rate == 80.0:
         assert split["early"] and split["time"] < 60.0, ctl.decisions[:4]
         assert not split["reason"].endswith("overloaded: next evaluation when done")
-        assert split["chosen"].endswith("repaid on the horizon)"), split
     else:
         assert early[0].get("kind") is None and early[0]["reason"].endswith("no change pays")
         assert not split["early"] and split["time"] == 61.0, ctl.decisions[:4]

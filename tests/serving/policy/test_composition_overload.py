@@ -86,18 +86,31 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     assert dict(figures)["load (work / capacity) staying"] == pytest.approx(load, rel=0.02)
     if queued:
         assert urgent and op[0][0] == "split" and "(load " in figures[1][0], figures
-        # The step the rule would go on with is made with it (`further_splits`): after one
-        # CP-8 splits, the load (55.2 a second of the window's span over what [4, 4, 8] serve)
-        # plus the backlog to clear is still above 1, so the other splits too; after both it
-        # is not, and no third split is made.
-        t4, t8 = COST.predict(4, 2000, 0), COST.predict(8, 2000, 0)
-        rate, clear = 275 / (274 / 55.0), backlog / cfg.interval_s
-        after_one, after_both = rate / (2 / t4 + 1 / t8), rate / (4 / t4)
-        assert after_one + clear > 1.0 >= after_both + clear
-        assert len(op) == 2 and op[1][0] == "split" and {op[0][1][0], op[1][1][0]} == {0, 1}
-        assert figures[2][0] == f"and split [{op[1][1][0]}] (load {after_both:.2f})", figures
+        # (the load after the step is below 1: the backlog alone makes no further split)
+        assert len(op) == 1 and not any(label.startswith("and split") for label, _ in figures)
     else:
         assert not urgent and all("(load " not in label for label, _ in figures), figures
+
+
+def test_an_overload_step_is_made_with_the_splits_that_bring_the_load_to_1():
+    # 2K-token prompts at 86 a second on idle [8, 8], which serve 2 / T8 = 68.7 a second: a
+    # load of 1.25 and more, the overload rule's. One CP-8 split leaves [4, 4, 8] (2 / T4 +
+    # 1 / T8 = 77.0 a second): still above 1, so the other CP-8 splits in the same step
+    # (`further_splits`; their drains overlap), to [4, 4, 4, 4] (4 / T4 = 85.3 a second): a
+    # load just above 1 that no split of a worker not yet changed can lower (none is left).
+    t4, t8 = COST.predict(4, 2000, 0), COST.predict(8, 2000, 0)
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    n, rate = 1720, 86.0  # (a 20 s window: the queue growth outweighs the 1 s re-carve)
+    op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 0) for i in range(n)])
+    per_s = rate * n / (n - 1)  # (the window's span is (n - 1) / rate)
+    assert dict(figures)["load (work / capacity) staying"] == pytest.approx(per_s * t8 / 2)
+    after_one, after_both = per_s / (2 / t4 + 1 / t8), per_s / (4 / t4)
+    assert per_s * t8 / 2 > 1.25 and after_one > 1.0 and after_both > 1.0
+    assert urgent and len(op) == 2 and [o[0] for o in op] == ["split", "split"], figures
+    assert sorted(o[1][0] for o in op) == [0, 1] and figures[1][0].endswith(
+        f"(load {after_one:.2f})") and figures[2][0] == (
+        f"and split [{op[1][1][0]}] (load {after_both:.2f})"), figures
 
 
 class _LargerIsCheaper:

@@ -91,6 +91,33 @@ def test_requests_a_change_displaced_are_placed_again_when_it_is_done():
     assert seen[-1] == (on0[1], True) and s.num_in_flight == 2
 
 
+def test_what_waited_while_every_worker_drained_is_spread_when_the_changes_are_done():
+    # [2, 2], both split at once (an overload's further splits): no worker takes placements,
+    # the six arrivals meanwhile wait. The first change done places them all on its halves
+    # (the only workers); they count as displaced by the other change, so when it is done
+    # those still queued are placed again, and its halves take their share at once.
+    s, backend, done, seen = make((2, 2))
+    for i in range(2):  # 0 and 1 run
+        s.submit(req(i, 0.01 * i), 0.01 * i)
+    recs = [s.begin_reconfiguration("split", [w], split_halves(
+        s.workers[w].spec, s.new_worker_ids(2), HOLDS), 0.1) for w in (0, 1)]
+    for i in range(2, 8):
+        s.submit(req(i, 0.1 * i), 0.1 * i)
+    assert s.num_in_flight == 8 and not backend.started[2:]  # six waiting
+    s.complete(0, 0, 1.0, PrefillResult(0, 1.0, 1.0))
+    s.finish_reconfiguration(recs[0].epoch, 1.5, {})
+    first = [spec.worker_id for spec in recs[0].new_specs]
+    assert sorted(w for w, _ in backend.started[2:]) == first  # one runs on each half
+    assert sum(len(s.workers[w].queue) for w in first) == 4
+    assert set(recs[1].displaced) == set(range(2, 8))
+    s.complete(1, 1, 1.6, PrefillResult(0, 1.6, 1.6))
+    s.finish_reconfiguration(recs[1].epoch, 2.0, {})
+    second = [spec.worker_id for spec in recs[1].new_specs]
+    assert sorted(w for w, _ in backend.started[4:]) == second  # its halves start at once
+    assert sorted(len(s.workers[w].queue) for w in first + second) == [0, 0, 1, 1]
+    assert s.num_in_flight == 6 and s.rerouted == set()
+
+
 def test_composition_controller_counts_a_reroute_older_than_its_memory_once():
     # max_samples=1 keeps the 4 latest placements. Before, a re-routed request whose first
     # placement had left that memory was recorded again, as an arrival at the re-route's time.
