@@ -239,8 +239,8 @@ class CompositionController:
             self._unheld = None
             return None
         merges = [(olds, news) for olds, news in candidate_changes(
-            active, now, set(change_degrees(scheduler, active, self.config)), self.config, self.longest,
-            self.max_input_len) if len(news) < len(olds)]
+            active, now, set(change_degrees(scheduler, active, self.config)), self.config,
+            self.longest, self.max_input_len) if len(news) < len(olds)]
         if not merges:
             return None
         olds, news = max(merges, key=lambda m: m[1][0])
@@ -251,7 +251,8 @@ class CompositionController:
     def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
               elapsed: float | None = None):
         """`(op or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
-        the best; `overloaded` when the op is the overload rule's (module doc). `early`: `(None,
+        the best; `overloaded` when the op is the overload rule's (module doc), then a list of
+        ops (the step and its further splits). `early`: `(None,
         None, False)` for a load the module doc keeps the schedule for. `elapsed`: seconds from
         the sample's first arrival to now."""
         cfg = self.config
