@@ -189,8 +189,8 @@ class CompositionController:
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
         if op is not None:
-            recs, refused = [], None
-            for one in op if isinstance(op, list) else [op]:  # (an overload's further splits)
+            recs, refused, ops = [], None, op if isinstance(op, list) else [op]
+            for one in ops:  # (an overload's step, then its further splits)
                 try:
                     recs.append(scheduler.begin_reconfiguration(*one, now))
                 except StrandedRequests as e:  # waiting requests need the workers it would remove
@@ -214,7 +214,9 @@ class CompositionController:
                          reason="no worker holds a prompt refused" if hold
                          else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
                               f"{figures[0][1] * 1e3:.1f} ms staying" + (
-                                  "; overloaded: next evaluation when done" if urgent else ""))
+                                  "; overloaded: next evaluation when done" if urgent else "")
+                         + (f"; {len(ops) - len(recs)} of its further splits not made: "
+                            f"{refused}" if refused is not None else ""))
         elif self._vetoed is not None:
             entry["reason"] = self._vetoed
         else:

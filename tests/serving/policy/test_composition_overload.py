@@ -12,6 +12,7 @@ from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.pool_load import pool_backlog
+from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
@@ -111,6 +112,34 @@ def test_an_overload_step_is_made_with_the_splits_that_bring_the_load_to_1():
     assert sorted(o[1][0] for o in op) == [0, 1] and figures[1][0].endswith(
         f"(load {after_one:.2f})") and figures[2][0] == (
         f"and split [{op[1][1][0]}] (load {after_both:.2f})"), figures
+
+
+def test_a_refused_further_split_leaves_the_step_made_and_says_so():
+    # As above, through `tick`, the scheduler refusing the second change (requests waiting
+    # would fit no worker after it): the first split stands, the refused one is not made and
+    # the log says so; nothing else changed.
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+    ctl = CompositionController(CompositionConfig(max_samples=1720, min_degree=1, max_degree=8),
+                                lambda c: 100_000)
+    ctl.attach(s)
+    for i in range(1720):
+        t = i / 86.0
+        ctl.observe(Request(f"r{i}", t, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                    range(4)]), 512), 0, t)
+    begin, calls = s.begin_reconfiguration, []
+
+    def refuse_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise StrandedRequests("refused", [], 0)
+        return begin(*args)
+    s.begin_reconfiguration = refuse_second
+    ctl._next_eval = 20.0
+    s.tick(20.0)
+    d = ctl.decisions[-1]
+    assert d["kind"] == "split" and d["further"] == [] and len(calls) == 2, d
+    assert d["reason"].endswith("; 1 of its further splits not made: refused"), d["reason"]
+    assert list(s.reconfig.in_progress) == [d["epoch"]] and s.composition == [8, 8]
 
 
 class _LargerIsCheaper:
