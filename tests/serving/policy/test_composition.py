@@ -37,16 +37,18 @@ def short_prompts(n, rate):
                     512) for i, (t, n) in enumerate(zip(times, lens))]
 
 
-def refuse_once(scheduler):
-    """Makes `scheduler` refuse its first `begin_reconfiguration` (`StrandedRequests`)."""
+def refuse_once(scheduler, nth=1):
+    """Makes `scheduler` refuse its `nth` `begin_reconfiguration` (`StrandedRequests`); returns
+    the list of the calls' arguments, as they come."""
     begin, calls = scheduler.begin_reconfiguration, []
 
     def begin_or_refuse(*args):
         calls.append(args)
-        if len(calls) == 1:
+        if len(calls) == nth:
             raise StrandedRequests("refused", [], 0)
         return begin(*args)
     scheduler.begin_reconfiguration = begin_or_refuse
+    return calls
 
 
 def shared_prompt_requests(n=600, rate=None, seed=0, degree=2, workers=8):

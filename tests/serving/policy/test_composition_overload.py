@@ -12,12 +12,11 @@ from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_router import VertumnusRouter
 from serving.policy.pool_load import pool_backlog
-from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
 from tests.serving.policy.scheduler_fixtures import Backend
-from tests.serving.policy.test_composition import COST, SIM, poisson
+from tests.serving.policy.test_composition import COST, SIM, poisson, refuse_once
 
 
 def _overload(n=2700):
@@ -126,14 +125,7 @@ def test_a_refused_further_split_leaves_the_step_made_and_says_so():
         t = i / 86.0
         ctl.observe(Request(f"r{i}", t, 2000, 1, chain_block_hashes([i * 10 + k for k in
                                                                     range(4)]), 512), 0, t)
-    begin, calls = s.begin_reconfiguration, []
-
-    def refuse_second(*args):
-        calls.append(args)
-        if len(calls) == 2:
-            raise StrandedRequests("refused", [], 0)
-        return begin(*args)
-    s.begin_reconfiguration = refuse_second
+    calls = refuse_once(s, nth=2)
     ctl._next_eval = 20.0
     s.tick(20.0)
     d = ctl.decisions[-1]
