@@ -189,8 +189,8 @@ class CompositionController:
         entry = {"time": now, "samples": len(sample), "candidates": figures,
                  "chosen": figures[0][0] if op is None else figures[1][0], "early": early}
         if op is not None:
-            recs, refused, ops = [], None, op if isinstance(op, list) else [op]
-            for one in ops:  # (an overload's step, then its further splits)
+            recs, refused = [], None
+            for one in op:  # (an overload's step, then its further splits)
                 try:
                     recs.append(scheduler.begin_reconfiguration(*one, now))
                 except StrandedRequests as e:  # waiting requests need the workers it would remove
@@ -215,7 +215,7 @@ class CompositionController:
                          else f"predicted mean TTFT {figures[1][1] * 1e3:.1f} ms against "
                               f"{figures[0][1] * 1e3:.1f} ms staying" + (
                                   "; overloaded: next evaluation when done" if urgent else "")
-                         + (f"; {len(ops) - len(recs)} of its further splits not made: "
+                         + (f"; {len(op) - len(recs)} of its further splits not made: "
                             f"{refused}" if refused is not None else ""))
         elif self._vetoed is not None:
             entry["reason"] = self._vetoed
@@ -231,7 +231,7 @@ class CompositionController:
 
     # ------------------------------------------------------------------------- candidates
     def _hold_step(self, scheduler, now: float):
-        """`(op, figures)` of the merge making the largest worker while no worker holds the
+        """`([op], figures)` of the merge making the largest worker while no worker holds the
         longest prompt refused (module doc), else None (also when no merge is possible)."""
         workers, r = scheduler.workers.values(), self._unheld
         active = [w for w in workers if w.status is WorkerStatus.ACTIVE]
@@ -247,14 +247,14 @@ class CompositionController:
             return None
         olds, news = max(merges, key=lambda m: m[1][0])
         label = f"merge {[w.worker_id for w in olds]} (to hold {r.input_len} tokens)"
-        return (change_op(scheduler, olds, self.max_input_len),
+        return ([change_op(scheduler, olds, self.max_input_len)],
                 [("stay", float("nan")), (label, float("nan"))])
 
     def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
               elapsed: float | None = None):
-        """`(op or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
-        the best; `overloaded` when the op is the overload rule's (module doc), then a list of
-        ops (the step and its further splits). `early`: `(None,
+        """`(ops or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
+        the best; `ops` the `Scheduler.begin_reconfiguration` arguments of the change (for the
+        overload rule's, `overloaded`, the step then its further splits; module doc). `early`: `(None,
         None, False)` for a load the module doc keeps the schedule for. `elapsed`: seconds from
         the sample's first arrival to now."""
         cfg = self.config
@@ -351,29 +351,24 @@ class CompositionController:
             self._vetoed = (f"{label} beats staying by the margin on the window but not on "
                             f"{horizon}")
             return None, figures, False
-        return change_op(scheduler, olds, self.max_input_len), figures, False
-
-    def _on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
-                    figures: list):
-        """`composition_horizon.replay_horizon` of the change (`olds` replaced by workers of
-        degrees `news`) on the last `reverse_after_s` of arrivals (at most the `4 *
-        max_samples` most recent); its two figures are logged."""
-        current = [w.cp_degree for w in active]
-        h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
-                           + list(news), now, window_len, self.config,
-                           scheduler.cost_model.predict, self.max_input_len)
-        if h is not None:
-            figures += [(f"stay, {h.span} from idle workers", h.stay),
-                        ("the change, the same arrivals", h.change)]
-        return h
+        return [change_op(scheduler, olds, self.max_input_len)], figures, False
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
                           figures: list) -> str | None:
-        """None if the change does not lose to staying on the horizon (`_on_horizon`;
-        `HorizonReplay.loses`), else its arrivals ("the last N arrivals (S s)"). A change stands
+        """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
+        staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
+        most recent) replayed from idle workers (`composition_horizon`; `HorizonReplay.loses`),
+        else those arrivals ("the last N arrivals (S s)"). A change stands
         that long, and a passing burst's window predicts a gain later arrivals do not give (a
         CP-8 split for a burst of long documents; eval/RESULTS.md). None when the horizon holds
         no more arrivals than the window. Not for the overload rule: an overloaded pool's
         queues grow regardless."""
-        h = self._on_horizon(scheduler, active, olds, news, now, window_len, figures)
-        return h.span if h is not None and h.loses() else None
+        current = [w.cp_degree for w in active]
+        h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
+                           + list(news), now, window_len, self.config,
+                           scheduler.cost_model.predict, self.max_input_len)
+        if h is None:
+            return None
+        figures += [(f"stay, {h.span} from idle workers", h.stay),
+                    ("the change, the same arrivals", h.change)]  # (both logged)
+        return h.span if h.loses() else None
