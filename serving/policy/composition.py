@@ -34,7 +34,12 @@ is above 1 (a step with the load at most 1 must lower it), its later steps not h
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
 capacity never clears what queued before). The splits that bring the load itself to 1 are
 made with each step, their drains overlapping (`composition_changes.further_splits`, logged
-`and split ...`).
+`and split ...`). A change the full comparison (below) makes while the load is above 1 (in a
+chain: the load plus the backlog to clear), if it lowers the load and the window found no
+cached prefix, goes on the same way (no `cooldown_s` after it: in one, only the overload rule
+acts, and the pool sat just above its capacity with seconds queued). With no cached prefix the
+replay, which gives each request its cached prefix on any worker, is exact about what a split
+costs; where contexts are reused it is not, and such chains lost (eval/RESULTS.md).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
 The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
@@ -323,7 +328,7 @@ class CompositionController:
                 return ops, figures, True
         if quiet:
             return None, figures, False
-        ttft, label, olds, news, _ = min(options, key=lambda o: o[0])
+        ttft, label, olds, news, after = min(options, key=lambda o: o[0])
         if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
             # One step may gain little where several do (overload on large workers): compare
             # every composition with the current one on equal terms (each worker starting with
@@ -342,7 +347,7 @@ class CompositionController:
             if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
                                   and gain >= cfg.min_gain_s):
                 return None, figures, False
-            ttft, label, olds, news, _ = min(toward, key=lambda o: o[0])
+            ttft, label, olds, news, after = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
         horizon = self._loses_on_horizon(scheduler, active, olds, news, now, len(sample),
@@ -351,7 +356,10 @@ class CompositionController:
             self._vetoed = (f"{label} beats staying by the margin on the window but not on "
                             f"{horizon}")
             return None, figures, False
-        return [change_op(scheduler, olds, self.max_input_len)], figures, False
+        # made while the load (in a chain: + clear) is above 1, a step lowering it goes on as
+        # the overload rule's where the window found no cached prefix (module doc)
+        return [change_op(scheduler, olds, self.max_input_len)], figures, (
+            excess > 1.0 and after < load and not any(h for _, _, h in sample))
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
                           figures: list) -> str | None:

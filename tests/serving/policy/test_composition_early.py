@@ -98,7 +98,8 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
     # comparison runs at once (before, only the overload rule could act early, and the pool
     # waited for the evaluation at 61 s). At 80 req/s its split pays then; at 75 it does not
     # yet, and an early evaluation that changes nothing keeps the schedule: the split comes
-    # at 61 s, not 30 s after the early one.
+    # at 61 s, not 30 s after the early one. A step made at a load above 1 goes on as the
+    # overload rule's: the next evaluation comes when it is done, not after `cooldown_s`.
     reqs, ctl = long_then_short(rate, int(40 * rate))
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
@@ -109,7 +110,11 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
     split = next(d for d in ctl.decisions if d.get("kind") == "split")
     if rate == 80.0:
         assert split["early"] and split["time"] < 60.0, ctl.decisions[:4]
-        assert not split["reason"].endswith("overloaded: next evaluation when done")
+        assert "(load " not in split["chosen"], split  # the full comparison's step
+        # made at a load above 1, it goes on as the overload rule's (no cooldown after it)
+        assert split["reason"].endswith("overloaded: next evaluation when done"), split
+        after = ctl.decisions[ctl.decisions.index(split) + 1]
+        assert after["time"] < split["time"] + 5.0, ctl.decisions[:6]
     else:
         assert early[0].get("kind") is None and early[0]["reason"].endswith("no change pays")
         assert not split["early"] and split["time"] == 61.0, ctl.decisions[:4]

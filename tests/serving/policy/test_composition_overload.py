@@ -92,6 +92,31 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
         assert not urgent and all("(load " not in label for label, _ in figures), figures
 
 
+@pytest.mark.parametrize("load,cached,urgent", [(1.1, 0, True), (0.8, 0, False),
+                                                (1.1, 512, False)])
+def test_a_step_of_the_full_comparison_above_a_load_of_1_goes_on_as_the_overload_rules(
+        load, cached, urgent):
+    # A load above 1 but below the margin (1.25) with seconds queued: the full comparison's
+    # split pays, and made there it goes on as the overload rule's (the next evaluation when
+    # it is done, no cooldown: in one only the overload rule acts, and steady 88 req/s on
+    # [8, 8] sat at 9.7 s mean TTFT). At a load of 0.8 the same split is a plain change; so it
+    # is where the window's requests found a cached prefix (the replay cannot see what a split
+    # costs them).
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+    for i in range(600):  # (about 0.29 of a 30 s interval of both workers' time)
+        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                   range(4)]), 512), 0.0)
+    rate = load * 2 / COST.predict(8, 2000, cached)  # the window's arrivals a second
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    op, figures, got = ctl._best(s, 0.0, [(i / rate, 2000, cached)
+                                          for i in range(int(20 * rate))])
+    f = dict(figures)
+    assert f["load (work / capacity) staying"] == pytest.approx(load, rel=0.01)
+    assert op[0][0] == "split" and all("(load " not in label for label, _ in figures), figures
+    assert got is urgent and f[figures[1][0]] < f["stay"] * (1 - cfg.min_gain), figures
+
+
 def test_an_overload_step_is_made_with_the_splits_that_bring_the_load_to_1():
     # 2K-token prompts at 86 a second on idle [8, 8], which serve 2 / T8 = 68.7 a second: a
     # load of 1.25 and more, the overload rule's. One CP-8 split leaves [4, 4, 8] (2 / T4 +
@@ -164,3 +189,27 @@ def test_a_started_overload_makes_no_step_that_does_not_lower_the_load():
     assert f["load (work / capacity) staying"] == pytest.approx(0.8, rel=0.01)
     assert f["backlog to clear by the next evaluation / capacity"] > 0.3  # (2000 x 12.5 ms / 2)
     assert not urgent and all("(load " not in label for label, _ in figures), figures
+
+
+@pytest.mark.parametrize("rate,seed", [(80.0, 0), (88.0, 0)])
+def test_a_pool_just_above_its_capacity_does_not_stay_stuck_with_seconds_queued(rate, seed):
+    # 1-3K-token prompts on [8, 8] (about 68 a second): loads of 1.1-1.2, under the overload
+    # rule's 1.25. The full comparison splits; made with no cooldown after it, as the overload
+    # rule's step, it goes on while the load plus the backlog to clear is above 1. Before, the
+    # split started the 60 s cooldown, the pool sat just above its capacity and the last 20 s
+    # of arrivals waited 4.0 and 12.2 s; a pool that serves the demand answers them in about
+    # a tenth of a second (eight CP-2 from the start: 0.1-0.2 s).
+    times = poisson(int(rate * 100), rate, seed)
+    lens = np.random.default_rng(seed + 100).integers(1000, 3000, len(times)).tolist()
+    reqs = [Request(f"r{i}", t, m, 1, chain_block_hashes([i * 10 + k for k in
+                                                         range(-(-m // 512))]), 512)
+            for i, (t, m) in enumerate(zip(times, lens))]
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    recs = simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+                    COST.predict, SIM, setup=[ctl.attach])
+    arrival = np.array([r.request.arrival_time for r in recs])
+    ttft = np.array([r.ttft for r in recs])
+    assert len(recs) == len(reqs) and ttft[arrival > arrival.max() - 20].mean() < 0.5
+    first = next(d for d in ctl.decisions if d.get("kind") == "split")
+    assert "(load " not in first["chosen"], first  # the full comparison's, below 1.25
+    assert first["reason"].endswith("overloaded: next evaluation when done"), first
