@@ -165,12 +165,13 @@ _WARMUP_ROUNDS = flags.DEFINE_integer(
     "the warm-up met compiled.", lower_bound=1)
 _SETTLE_QUIET = flags.DEFINE_float(
     "settle_quiet_s", 20.0, "Warm-up time with no split, merge or compilation after which the "
-    "pool counts as settled (seconds). The default what-if controller evaluates every 30 s "
-    "(interval_s; sooner when a backlog outgrows its plan) and waits 60 s after a change "
-    "(cooldown_s), so a quiet shorter than those may take a controller yet to act for a "
-    "settled pool: 90 rules that out, at the cost of more rounds (each new seed meets a few "
-    "new prefill shapes, so long quiets often end at --warmup_rounds). The paper's controller "
-    "waits hold_s + cooldown_s, 10 + 10 s.", lower_bound=0.0)
+    "pool counts as settled (seconds, counted in whole --warmup_duration rounds). The default, "
+    "one quiet round, can take a controller that has not acted yet for a settled pool: the "
+    "default what-if controller evaluates every 30 s (interval_s; sooner when a backlog "
+    "outgrows its plan) and waits 60 s after a change (cooldown_s); 90 or more waits out both, "
+    "at the cost of more rounds (each new seed meets a few new prefill shapes, so long quiets "
+    "often end at --warmup_rounds). The paper's controller waits hold_s + cooldown_s, "
+    "10 + 10 s.", lower_bound=0.0)
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key of the server (openai: default "
                                "$OPENAI_API_KEY).")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Per-request HTTP timeout (seconds).",

@@ -34,12 +34,14 @@ is above 1 (a step with the load at most 1 must lower it), its later steps not h
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
 capacity never clears what queued before). The splits that bring the load itself to 1 are
 made with each step, their drains overlapping (`composition_changes.further_splits`, logged
-`and split ...`). A change the full comparison (below) makes while the load is above 1 (in a
-chain: the load plus the backlog to clear), if it lowers the load and the window found no
-cached prefix, goes on the same way (no `cooldown_s` after it: in one, only the overload rule
-acts, and the pool sat just above its capacity with seconds queued). With no cached prefix the
-replay, which gives each request its cached prefix on any worker, is exact about what a split
-costs; where contexts are reused it is not, and such chains lost (eval/RESULTS.md).
+`and split ...`). Where the window's requests found no cached prefix, a pool just above its
+capacity is not left with what queued: once the load is above 1 the backlog to clear counts in
+the rule's start too, and a change the full comparison (below) makes while the load is above
+1, if it lowers it, goes on the same way (no `cooldown_s` after it: in one, only the overload
+rule acts, and the pool sat just above its capacity with seconds queued). With no cached
+prefix the replay, which gives each request its cached prefix on any worker, is exact about
+what a split costs; where contexts are reused it is not, and both rules lost there
+(eval/RESULTS.md).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
 The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
@@ -270,9 +272,12 @@ class CompositionController:
         degrees = change_degrees(scheduler, active, cfg)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         load = pool_load([w.cp_degree for w in active], window, elapsed)
-        # the overload rule starts past the margin, then goes on while load + clear > 1 (module doc)
-        over, clear = (1.0, pool_backlog(active, now) / cfg.interval_s) if self._chain else (
-            1.0 + cfg.min_gain, 0.0)
+        # the overload rule starts past the margin, then goes on while load + clear > 1; with no
+        # cached prefix in the window, clear counts in the start too once the load is above 1
+        cached = any(h for _, _, h in sample)
+        clear = pool_backlog(active, now) / cfg.interval_s if self._chain or (
+            load > 1.0 and not cached) else 0.0
+        over = 1.0 if self._chain else 1.0 + cfg.min_gain
         excess = load + clear
         quiet = early and now < self._quiet_until  # (in a cooldown only the overload rule acts)
         if early and (excess <= 1.0 or (excess <= over and quiet)):  # (module doc)
@@ -359,7 +364,7 @@ class CompositionController:
         # made while the load (in a chain: + clear) is above 1, a step lowering it goes on as
         # the overload rule's where the window found no cached prefix (module doc)
         return [change_op(scheduler, olds, self.max_input_len)], figures, (
-            excess > 1.0 and after < load and not any(h for _, _, h in sample))
+            excess > 1.0 and after < load and not cached)
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
                           figures: list) -> str | None:
