@@ -29,10 +29,11 @@ def poisson(n, rate, seed):
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
 
 
-def short_prompts(n, rate):
-    """`n` 1-3K-token prompts, Poisson at `rate` req/s from 0 (issue 15's overload case)."""
-    times = poisson(n, rate, 2)
-    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
+def short_prompts(n, rate, seed=2, len_seed=1):
+    """`n` 1-3K-token prompts, Poisson at `rate` req/s from 0 (issue 15's overload case);
+    `seed` draws the times, `len_seed` the lengths."""
+    times = poisson(n, rate, seed)
+    lens = np.random.default_rng(len_seed).integers(1000, 3000, len(times)).tolist()
     return [Request(f"r{i}", t, n, 1, chain_block_hashes([i * 10 + k for k in range(-(-n // 512))]),
                     512) for i, (t, n) in enumerate(zip(times, lens))]
 

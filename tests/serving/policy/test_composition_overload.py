@@ -16,15 +16,17 @@ from serving.policy.request import Request, chain_block_hashes
 from serving.policy.scheduler import Scheduler
 from serving.policy.worker import layout_workers
 from tests.serving.policy.scheduler_fixtures import Backend
-from tests.serving.policy.test_composition import COST, SIM, poisson, refuse_once
+from tests.serving.policy.test_composition import COST, SIM, refuse_once, short_prompts
 
 
-def _overload(n=2700):
-    """1-3K-token prompts at 90 req/s: more than [8, 8] serves (issue 15's case)."""
-    times = poisson(n, 90.0, 2)
-    lens = np.random.default_rng(1).integers(1000, 3000, len(times)).tolist()
-    return [Request(f"r{i}", t, m, 1, chain_block_hashes([i * 10 + k for k in range(-(-m // 512))]),
-                    512) for i, (t, m) in enumerate(zip(times, lens))]
+def _queued(n, cost=COST):
+    """A scheduler over [8, 8] with `n` 2K-token prompts submitted at 0 (the recording
+    backend's prefills never finish: what is submitted stays outstanding)."""
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), cost, VertumnusRouter(), Backend())
+    for i in range(n):
+        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                   range(4)]), 512), 0.0)
+    return s
 
 
 @pytest.mark.parametrize("worse_from_step", [1, 0])
@@ -49,8 +51,8 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
 
     monkeypatch.setattr(composition, "replay_ttft", replay)
     monkeypatch.setattr(composition_horizon, "replay_ttft", replay)  # (the horizon's too)
-    simulate(_overload(), layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
-             COST.predict, SIM, setup=[handle.append, ctl.attach])
+    simulate(short_prompts(2700, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
+             VertumnusRouter(), COST.predict, SIM, setup=[handle.append, ctl.attach])
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
     if worse_from_step == 0:
         assert not splits, splits[:1]
@@ -71,11 +73,7 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     # by the next evaluation (`pool_backlog / interval_s`) is above 1: 600 prompts queued (about
     # 8.8 s of each worker's time, 0.29 of a 30 s interval) keep it splitting; none stops it.
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    # (the recording backend's prefills never finish: what is submitted stays outstanding)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
-    for i in range(queued):
-        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
-                                                                   range(4)]), 512), 0.0)
+    s = _queued(queued)
     backlog = pool_backlog(s.workers.values(), 0.0)
     load = 55.0 * COST.predict(8, 2000, 0) / 2  # the window's work per second of both workers
     assert 0.75 < load < 0.85 and (load + backlog / cfg.interval_s > 1.05 if queued
@@ -103,11 +101,9 @@ def test_a_step_of_the_full_comparison_above_a_load_of_1_goes_on_as_the_overload
     # is where the window's requests found a cached prefix (the replay cannot see what a split
     # costs them).
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
-    for i in range(200):  # (about 0.1 of a 30 s interval of both workers' time: load + that
-        # stays below the overload rule's 1.25, next test)
-        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
-                                                                   range(4)]), 512), 0.0)
+    # 200 queued: about 0.1 of a 30 s interval of both workers' time, so load + that stays
+    # below the overload rule's 1.25 (next test)
+    s = _queued(200)
     rate = load * 2 / COST.predict(8, 2000, cached)  # the window's arrivals a second
     ctl = CompositionController(cfg, lambda c: 100_000)
     op, figures, got = ctl._best(s, 0.0, [(i / rate, 2000, cached)
@@ -128,10 +124,7 @@ def test_with_no_cached_prefix_the_backlog_counts_in_the_overload_rules_start(lo
     # requests found cached prefixes (there it lost on real traces: eval/RESULTS.md), nor
     # below a load of 1 (the backlog then clears by itself).
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
-    for i in range(600):
-        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
-                                                                   range(4)]), 512), 0.0)
+    s = _queued(600)
     clear = pool_backlog(s.workers.values(), 0.0) / cfg.interval_s
     assert 0.25 < clear < 0.35
     rate = load * 2 / COST.predict(8, 2000, cached)
@@ -206,10 +199,7 @@ def test_a_started_overload_makes_no_step_that_does_not_lower_the_load():
     # go on down to CP-1, or flap with merges).
     cost = _LargerIsCheaper()
     cfg = CompositionConfig(min_degree=1, max_degree=8)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), cost, VertumnusRouter(), Backend())
-    for i in range(2000):
-        s.submit(Request(f"q{i}", 0.0, 2000, 1, chain_block_hashes([i * 10 + k for k in
-                                                                   range(4)]), 512), 0.0)
+    s = _queued(2000, cost)
     rate = 0.8 * 2 / cost.predict(8, 2000, 0)  # the window: a load of 0.8 on [8, 8]
     ctl = CompositionController(cfg, lambda c: 100_000)
     ctl._chain = True
@@ -228,11 +218,7 @@ def test_a_pool_just_above_its_capacity_does_not_stay_stuck_with_seconds_queued(
     # split started the 60 s cooldown, the pool sat just above its capacity and the last 20 s
     # of arrivals waited 4.0 and 12.2 s; a pool that serves the demand answers them in about
     # a tenth of a second (eight CP-2 from the start: 0.1-0.2 s).
-    times = poisson(int(rate * 100), rate, seed)
-    lens = np.random.default_rng(seed + 100).integers(1000, 3000, len(times)).tolist()
-    reqs = [Request(f"r{i}", t, m, 1, chain_block_hashes([i * 10 + k for k in
-                                                         range(-(-m // 512))]), 512)
-            for i, (t, m) in enumerate(zip(times, lens))]
+    reqs = short_prompts(int(rate * 100), rate, seed, seed + 100)
     ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
     recs = simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
                     COST.predict, SIM, setup=[ctl.attach])
