@@ -261,9 +261,10 @@ class CompositionController:
               elapsed: float | None = None):
         """`(ops or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
         the best; `ops` the `Scheduler.begin_reconfiguration` arguments of the change (for the
-        overload rule's, `overloaded`, the step then its further splits; module doc). `early`: `(None,
-        None, False)` for a load the module doc keeps the schedule for. `elapsed`: seconds from
-        the sample's first arrival to now."""
+        overload rule's, the step then its further splits); `overloaded` when the next
+        evaluation comes once it is done (the overload rule's step, or a full comparison's that
+        goes on as one; module doc). `early`: `(None, None, False)` for a load the module doc
+        keeps the schedule for. `elapsed`: seconds from the sample's first arrival to now."""
         cfg = self.config
         self._vetoed = None
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
