@@ -243,25 +243,43 @@ class DevicePool:
         return change
 
     def begin_split(self, worker_id: int, new_ids: Sequence[int] | None = None, *,
-                    epoch: int | None = None) -> PendingChange:
-        """Begins splitting a 2C worker into its two aligned C halves.
+                    epoch: int | None = None, parts: Sequence[int] | None = None
+                    ) -> PendingChange:
+        """Begins splitting a worker: into its two aligned halves, or with `parts` into the
+        groups repeated halving makes, in one change.
 
         Args:
           worker_id: an adopted worker of degree >= 2, neither busy, draining nor pending.
-          new_ids: ids of the (lower, upper) halves; default two fresh ids.
+          new_ids: ids of the new groups in device order; default fresh ids.
           epoch: the new epoch (default the latest + 1); larger than every epoch so far.
+          parts: the new groups' CP degrees in device order: two or more powers of two summing
+            to the worker's degree, each starting at a multiple of itself from its first
+            device (e.g. [2, 2, 4] of an 8); default its two halves.
 
         Raises:
           ValueError: (nothing changed) unknown id, degree 1, busy, draining or pending worker,
-            bad or used new ids, or a bad epoch.
+            parts that repeated halving does not make, bad or used new ids, or a bad epoch.
         """
         g = self._check_old(worker_id)
         if g.cp_degree < 2:
             raise ValueError(f"worker {worker_id} has CP degree 1 and cannot split")
-        ids = self._new_ids(new_ids, 2)
+        parts = [g.cp_degree // 2] * 2 if parts is None else list(parts)
+        at = 0
+        for c in parts:  # (an aligned tiling: `serving.policy.worker.is_aligned_tiling`)
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1) or at % c:
+                at = -1
+                break
+            at += c
+        if at != g.cp_degree or len(parts) < 2:
+            raise ValueError(f"parts must be two or more CP degrees that halving worker "
+                             f"{worker_id} (degree {g.cp_degree}) makes, in device order, got "
+                             f"{parts}")
+        ids = self._new_ids(new_ids, len(parts))
         e = self._new_epoch(epoch)
-        half = g.cp_degree // 2
-        news = [DeviceGroup(ids[k], g.first_device + k * half, half, e) for k in (0, 1)]
+        news, at = [], g.first_device
+        for wid, c in zip(ids, parts):
+            news.append(DeviceGroup(wid, at, c, e))
+            at += c
         return self._register("split", [worker_id], news, ids, e)
 
     def begin_merge(self, a_id: int, b_id: int, new_id: int | None = None, *,

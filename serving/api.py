@@ -257,12 +257,13 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     @app.post("/v1/workers/split")
     async def split(body: SplitRequest, request: Request):
         try:
-            rec = engine.split(body.worker_id)
+            rec = engine.split(body.worker_id, body.parts)
         except StrandedRequests as e:
             raise ApiError(409, f"split of worker {body.worker_id} refused: {e}", "worker_id",
                            "conflict_error") from None
         except ValueError as e:
-            raise ApiError(400, str(e), "worker_id") from None
+            raise ApiError(400, str(e), "parts" if body.parts is not None and not str(
+                e).startswith("worker_id") else "worker_id") from None
         return reconfiguration_started(rec)
 
     @app.post("/reset_prefix_cache")

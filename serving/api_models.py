@@ -169,10 +169,13 @@ def check_prompt_shape(v):
 
 
 class SplitRequest(BaseModel):
-    """`POST /v1/workers/split`: the worker to split into its two halves."""
+    """`POST /v1/workers/split`: the worker to split into its two halves, or into `parts` (CP
+    degrees in device order that repeated halving makes, e.g. [1, 1, 2] of a CP-4 worker) in
+    one re-carve."""
 
     model_config = ConfigDict(extra="forbid")
     worker_id: StrictInt
+    parts: list[StrictInt] | None = Field(default=None, min_length=2, max_length=64)
 
 
 class MergeRequest(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serving.policy.reconfiguration import Reconfiguration
-from serving.policy.worker import WorkerStatus, merge_buddies, split_halves
+from serving.policy.worker import WorkerStatus, is_aligned_tiling, merge_buddies, split_parts
 
 # Finished splits, merges, copies and reclamations the live scheduler's logs keep (a server
 # runs for months; the counters count all).
@@ -21,15 +21,19 @@ RECONFIG_LOG_LIMIT = 256
 class EngineAdmin:
     """Split, merge, reconfiguration log, prefix-cache reset and worker listing of `Engine`."""
 
-    def split(self, worker_id: int) -> Reconfiguration:
-        """Splits an ACTIVE worker of degree 2C into its halves; returns the change (its
-        `epoch`, `old_ids` and `new_specs`: the halves' worker ids).
+    def split(self, worker_id: int, parts: Sequence[int] | None = None) -> Reconfiguration:
+        """Splits an ACTIVE worker of degree 2C into its halves, or into `parts` (CP degrees in
+        device order that repeated halving makes: `serving.policy.worker.split_parts`) in one
+        re-carve; returns the change (its `epoch`, `old_ids` and `new_specs`: the new
+        workers' ids).
 
         Raises:
-          StrandedRequests: (nothing changed but two worker ids, never handed out again, as
-            ids are never reused) waiting requests that only this worker, or one
-            as large, could hold (`Reconfigurations.refuse_stranding`).
-          ValueError: (nothing changed) an unknown, draining or degree-1 worker.
+          StrandedRequests: (nothing changed but the new worker ids, never handed out again,
+            as ids are never reused) waiting requests that only this worker, or one as large,
+            could hold (`Reconfigurations.refuse_stranding`).
+          ValueError: (nothing changed) an unknown, draining or degree-1 worker; `parts`
+            (the message starts with "parts") that halving this worker does not make, or a
+            degree not among the pool's.
         """
         s = self.scheduler
         w = s.workers.get(worker_id)
@@ -38,8 +42,16 @@ class EngineAdmin:
                              f"(workers: {sorted(s.workers)})")
         if w.cp_degree < 2:
             raise ValueError(f"worker_id={worker_id} has cp_degree=1 and cannot be split")
-        self._check_degree(w.cp_degree // 2, "split")
-        specs = split_halves(w.spec, s.new_worker_ids(2), self.config.max_input_len)
+        parts = [w.cp_degree // 2] * 2 if parts is None else list(parts)
+        if len(parts) < 2 or not is_aligned_tiling(w.cp_degree, parts):
+            raise ValueError(f"parts={parts} is not a split of worker {worker_id} (cp_degree="
+                             f"{w.cp_degree}): two or more powers of two in device order "
+                             "summing to its degree, each starting at a multiple of itself "
+                             "(e.g. [1, 1, 2] of a 4)")
+        for c in sorted(set(parts)):
+            self._check_degree(c, "split")
+        specs = split_parts(w.spec, parts, s.new_worker_ids(len(parts)),
+                            self.config.max_input_len)
         rec = s.begin_reconfiguration("split", [worker_id], specs, self.now())
         self._admin_epochs.add(rec.epoch)
         return rec

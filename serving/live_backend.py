@@ -13,9 +13,10 @@ A failure inside one prefill (an exception from JAX, `OutOfBlocksError`) fails t
 through `Scheduler.fail` with the exception's type and message; the worker goes on with its
 queue. Split and merge run on a separate re-carve thread once the scheduler has drained the old
 workers: weights are re-wrapped (zero bytes moved), KV blocks of retained prefixes are moved
-under the new striping (`vertumnus_jax.recarve`), every rank of each new worker is marked ready
-in the `DevicePool`, the new epoch is committed, and only then does the scheduler see the new
-workers (`finish_reconfiguration`). A replica is reported only after its copy has completed;
+under the new striping (`vertumnus_jax.recarve`; a split into more than two parts halves
+repeatedly within the one re-carve, `vertumnus_jax.recarve_parts`), every rank of each new
+worker is marked ready in the `DevicePool`, the new epoch is committed, and only then does the
+scheduler see the new workers (`finish_reconfiguration`). A replica is reported only after its copy has completed;
 a reclaimed prefix leaves the index only after its blocks were freed.
 
 KV holds (the P/D hand-off, `serving.kv_handoff`): a prefill whose request asked for one keeps
@@ -41,6 +42,7 @@ from serving.policy.backend import PrefillResult
 from serving.policy.request import Request
 from vertumnus_jax import OutOfBlocksError, Worker, prefill_request, release_request
 from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
+from vertumnus_jax.recarve_parts import split_worker_into
 
 _log = logging.getLogger(__name__)
 
@@ -237,15 +239,18 @@ class LiveBackend:
                 if rec.kind == "split":
                     specs = sorted(rec.new_specs, key=lambda s: s.first_device)
                     change = self.pool.begin_split(rec.old_ids[0],
-                                                   new_ids=tuple(s.worker_id for s in specs))
+                                                   new_ids=tuple(s.worker_id for s in specs),
+                                                   parts=tuple(s.cp_degree for s in specs))
                 else:
                     change = self.pool.begin_merge(*rec.old_ids,
                                                    new_id=rec.new_specs[0].worker_id)
                 meshes = [self._mesh(g) for g in change.new_groups]
                 try:
-                    if rec.kind == "split":
+                    if rec.kind == "split" and len(meshes) == 2:
                         a, b, _ = split_worker(olds[0], tuple(meshes), replicas=self.replicas)
                         workers = (a, b)
+                    elif rec.kind == "split":  # (into more parts in one re-carve)
+                        workers, _ = split_worker_into(olds[0], meshes, replicas=self.replicas)
                     else:
                         merged, _ = merge_workers(olds[0], olds[1], meshes[0],
                                                   replicas=self.replicas)

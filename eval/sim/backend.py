@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from eval.sim.local_cache import LocalPrefixCache, split_cache
+from eval.sim.local_cache import LocalPrefixCache, split_cache_parts
 from serving.fetch_wait import FetchWaits
 from serving.policy.backend import PrefillResult
 from serving.policy.checks import require_finite
@@ -137,7 +137,8 @@ class SimulatedBackend:
 
         Merge: the new worker holds the union of both halves' blocks (re-striped lazily: the
         re-striping cost is inside `recarve_seconds`). Split: `split_cache` assigns each
-        retained prefix to one half.
+        retained prefix to one half (into more parts, in one re-carve: again within each half,
+        `split_cache_parts`).
         """
         rec = reconfiguration
         olds = [self.caches.pop(w) for w in rec.old_ids]
@@ -152,9 +153,10 @@ class SimulatedBackend:
             new = {spec.worker_id: merged}
         else:
             [old] = olds
-            a, b = rec.new_specs
-            halves = split_cache(old, a.kv_capacity_blocks)
-            new = {a.worker_id: halves[0], b.worker_id: halves[1]}
+            specs = sorted(rec.new_specs, key=lambda s: s.first_device)
+            caches = split_cache_parts(old, [s.cp_degree for s in specs],
+                                       specs[0].kv_capacity_blocks // specs[0].cp_degree)
+            new = {s.worker_id: c for s, c in zip(specs, caches)}
         for spec in rec.new_specs:
             self.caches[spec.worker_id] = new[spec.worker_id]
             self.degrees[spec.worker_id] = spec.cp_degree

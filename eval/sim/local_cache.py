@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
+from serving.policy.worker import is_aligned_tiling
+
 try:  # the C loop behind `collections.Counter.update`: counts an iterable into a dict
     from collections import _count_elements as count_elements
 except ImportError:  # pragma: no cover (Python builds without the C helper)
@@ -330,3 +332,28 @@ def split_cache(cache: LocalPrefixCache, capacity_blocks: int) -> tuple[LocalPre
     for half, items in zip(halves, picked):
         half.adopt(items[::-1])  # back to least recent first
     return halves
+
+
+def split_cache_parts(cache: LocalPrefixCache, parts: Sequence[int], blocks_per_device: int
+                      ) -> list[LocalPrefixCache]:
+    """The caches of the parts of a worker split in one re-carve into CP degrees `parts`
+    (device order; `serving.policy.worker.is_aligned_tiling`): `split_cache` applied as the
+    halving that makes those parts would apply it, each part holding at most
+    `blocks_per_device * its degree` blocks.
+
+    Raises:
+      ValueError: `parts` is not an aligned tiling (of at least one part), or the cache has a
+        prefill in progress.
+    """
+    parts = list(parts)
+    total = sum(parts)
+    if not parts or not is_aligned_tiling(total, parts):
+        raise ValueError(f"parts must be CP degrees that halving makes, got {parts}")
+    if len(parts) == 1:
+        return [cache]
+    at, k = 0, 0
+    while at < total // 2:  # (the lower half's parts: a tiling ends exactly at its middle)
+        at, k = at + parts[k], k + 1
+    lower, upper = split_cache(cache, blocks_per_device * (total // 2))
+    return (split_cache_parts(lower, parts[:k], blocks_per_device)
+            + split_cache_parts(upper, parts[k:], blocks_per_device))

@@ -53,10 +53,12 @@ class Backend(Protocol):
     def recarve(self, reconfiguration, now: float) -> None:
         """Re-carves the (idle) old workers of a `scheduler.Reconfiguration` into its new ones.
 
-        Must not block. When every rank of the new workers has adopted the new geometry, the
-        backend calls `Scheduler.finish_reconfiguration(epoch, now, cached_blocks)` with the
-        blocks each new worker holds. Backends that never reconfigure may raise
-        NotImplementedError.
+        A split may make more than two workers (the parts repeated halving makes, in one
+        re-carve: `serving.policy.worker.split_parts`; the default controller plans them under
+        overload unless `CompositionConfig.deep_splits` is False). Must not block. When every
+        rank of the new workers has adopted the new geometry, the backend calls
+        `Scheduler.finish_reconfiguration(epoch, now, cached_blocks)` with the blocks each new
+        worker holds. Backends that never reconfigure may raise NotImplementedError.
         """
         ...
 

@@ -34,7 +34,10 @@ is above 1 (a step with the load at most 1 must lower it), its later steps not h
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
 capacity never clears what queued before). The splits that bring the load itself to 1 are
 made with each step, their drains overlapping (`composition_changes.further_splits`, logged
-`and split ...`). Where the window's requests found no cached prefix, a pool just above its
+`and split ...`), halves of a worker split again where that lowers the load most: each worker
+is re-carved once, into the parts its halvings make (`CompositionConfig.deep_splits`; logged
+`made into [2, 2, 4]`): from CP-8 to CP-1 one re-carve, not three, each taking the worker out
+for `recarve_s`. Where the window's requests found no cached prefix, a pool just above its
 capacity is not left with what queued: once the load is above 1 the backlog to clear counts in
 the rule's start too, and a change the full comparison (below) makes while the load is above
 1, if it lowers it, goes on the same way (no `cooldown_s` after it: in one, only the overload
@@ -323,14 +326,18 @@ class CompositionController:
             # the backlog left) lower the load; a first step no worse than staying (module doc)
             if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
                     self._chain or best[0] <= stay):
-                figures.insert(1, (best[1] + f" (load {best[4]:.2f})", best[0]))
-                ops = [change_op(scheduler, best[2], self.max_input_len)]
-                for k, (olds, _, after) in enumerate(further_splits(  # (module doc)
+                ops = []
+                for k, (olds, parts, after) in enumerate(further_splits(  # (module doc)
                         active, best[2], best[3], best[4], window, elapsed, now, set(degrees),
                         cfg, self.longest, self.max_input_len)):
-                    ops.append(change_op(scheduler, olds, self.max_input_len))
-                    figures.insert(2 + k, (f"and split {[w.worker_id for w in olds]} (load "
-                                           f"{after:.2f})", float("nan")))
+                    ops.append(change_op(scheduler, olds, self.max_input_len, parts))
+                    into = f" into {parts}" if len(parts) > 2 else ""
+                    if k == 0:  # the step as judged, then the parts it is made into
+                        label = f"{best[1]} (load {best[4]:.2f})" + (
+                            f", made{into} (load {after:.2f})" if into else "")
+                    else:
+                        label = f"and split {[w.worker_id for w in olds]}{into} (load {after:.2f})"
+                    figures.insert(1 + k, (label, float("nan") if k else best[0]))
                 return ops, figures, True
         if quiet:
             return None, figures, False

@@ -1,7 +1,8 @@
 """The changes the default split/merge controller weighs (`serving.policy.composition`): per
 degree, the split and the merge that drain first; the further splits an overload's step is
-made with; the degrees a change may make and the target the changes are compared with; and
-the `Scheduler.begin_reconfiguration` arguments of making one.
+made with (a worker's halvings as one change into their parts); the degrees a change may make
+and the target the changes are compared with; and the `Scheduler.begin_reconfiguration`
+arguments of making one.
 
 Plain Python over the pool's `WorkerState`s.
 """
@@ -15,7 +16,7 @@ from serving.policy.composition_config import CompositionConfig
 from serving.policy.pool_load import pool_backlog, pool_load
 from serving.policy.whatif import Window, target_composition
 from serving.policy.worker import (WorkerState, are_buddies, host_degree_cap, merge_buddies,
-                                   split_halves)
+                                   split_parts)
 
 
 def candidate_changes(active: Sequence[WorkerState], now: float, known: Collection[int],
@@ -54,35 +55,75 @@ def further_splits(active: Sequence[WorkerState], first: Sequence[WorkerState],
                    now: float, known: Collection[int], config: CompositionConfig,
                    longest: int, max_input_len: Callable[[int], int]
                    ) -> list[tuple[list[WorkerState], list[int], float]]:
-    """The splits an overload's step is made with at once (`serving.policy.composition`), so
-    their drains overlap: after the step replacing `first` by workers of degrees `added` (the
-    window's `pool_load` then `load`), while the load is above 1, the split of a worker of
-    `active` not yet changed (`candidate_changes`) that lowers it most, if one does. Only
-    what brings the load itself to 1 is made at once; the splits that would clear a backlog
-    beyond it come one after another, each on a fresh window (made at once, they split a
-    burst's pool down to CP-1). Returns `(old workers, new degrees, load after)` per further
-    split, in order. `now`: seconds."""
-    used, added, out = list(first), list(added), []
+    """The changes an overload's step is made as (`serving.policy.composition`), so their
+    drains overlap and each worker is re-carved once: after the step replacing `first` by
+    workers of degrees `added` (the window's `pool_load` then `load`), while the load is above
+    1, the halving that lowers it most, of a worker of `active` not yet changed
+    (`candidate_changes`) or of a part a planned split makes (per planned worker and degree, its
+    first such part), if one does. A worker's planned halvings are one change into the parts
+    they make (`serving.policy.worker.split_parts`): one drain and one re-carve, not one per
+    halving (from CP-8 to CP-1 that is one second of re-carving, not three). Only what brings
+    the load itself to 1 is planned; the splits that would clear a backlog beyond it come one
+    after another, each on a fresh window (made at once, they split a burst's pool down to
+    CP-1). A halving that would leave no worker able to hold `longest` tokens is not made;
+    without `config.deep_splits` no part is halved (two halves a change).
+
+    Returns:
+      `(old workers, new degrees in device order, load after)` per change, the step's first
+      (a merge step's is `(first, added, load)`), then in the order first planned; `load
+      after` is the window's load once that change's parts were planned. `now`: seconds.
+    """
+    plan: dict[int, list] = {first[0].worker_id: [list(first), list(added), load]}
+    merge_step = len(first) != 1 or len(added) < 2  # (its worker stays whole)
+    used = list(first)
     while load > 1.0:
         rest = [w for w in active if w not in used]
-        more = [(pool_load([w.cp_degree for w in rest if w not in olds] + added + news, window,
-                           elapsed), olds, news)
-                for olds, news in candidate_changes(rest, now, known, config, longest,
-                                                    max_input_len) if len(news) > len(olds)]
+        parts = {wid: p[1] for wid, p in plan.items()}
+        held = [c for ps in parts.values() for c in ps] + [w.cp_degree for w in rest]
+        holders = sum(1 for w in rest if w.spec.max_input_len >= longest) + sum(
+            1 for ps in parts.values() for c in ps if max_input_len(c) >= longest)
+        more = []  # (load after, old workers, their parts after, planned worker id or None)
+        for olds, news in candidate_changes(rest, now, known, config, longest, max_input_len):
+            if len(news) > len(olds):
+                degrees = list(held)
+                degrees.remove(olds[0].cp_degree)
+                more.append((pool_load(degrees + news, window, elapsed), olds, news, None))
+        for wid, ps in (parts.items() if config.deep_splits else ()):
+            if wid == first[0].worker_id and merge_step:
+                continue
+            for c in sorted(set(ps)):
+                half = c // 2
+                if half < config.min_degree or half not in known or (
+                        max_input_len(half) < longest <= max_input_len(c) and holders <= 1):
+                    continue
+                k = ps.index(c)
+                after = ps[:k] + [half, half] + ps[k + 1:]
+                degrees = list(held)
+                degrees.remove(c)
+                more.append((pool_load(degrees + [half, half], window, elapsed),
+                             plan[wid][0], after, wid))
         if not more or min(m[0] for m in more) >= load:
-            return out
-        load, olds, news = min(more, key=lambda m: m[0])
-        used, added = used + olds, added + news
-        out.append((olds, news, load))
-    return out
+            break
+        load, olds, after, wid = min(more, key=lambda m: m[0])
+        if wid is None:
+            used += olds
+            plan[olds[0].worker_id] = [olds, after, load]
+        else:
+            plan[wid][1:] = [after, load]
+    return [(olds, ps, after) for olds, ps, after in plan.values()]
 
 
-def change_op(scheduler, olds: Sequence[WorkerState], max_input_len: Callable[[int], int]):
+def change_op(scheduler, olds: Sequence[WorkerState], max_input_len: Callable[[int], int],
+              parts: Sequence[int] | None = None):
     """`(kind, old worker ids, new WorkerSpecs)`, the `Scheduler.begin_reconfiguration`
-    arguments of replacing `olds` (one worker: split into halves; two buddies: merged), with
-    fresh ids from `scheduler.new_worker_ids`."""
+    arguments of replacing `olds` (one worker: split into its halves, or into `parts`, CP
+    degrees in device order, `split_parts`; two buddies: merged), with fresh ids from
+    `scheduler.new_worker_ids`."""
     if len(olds) == 1:
-        new = split_halves(olds[0].spec, scheduler.new_worker_ids(2), max_input_len)
+        c = olds[0].cp_degree
+        parts = [c // 2, c // 2] if parts is None else list(parts)
+        new = split_parts(olds[0].spec, parts, scheduler.new_worker_ids(len(parts)),
+                          max_input_len)
         return "split", [olds[0].worker_id], list(new)
     [new_id] = scheduler.new_worker_ids(1)
     return ("merge", [olds[0].worker_id, olds[1].worker_id],

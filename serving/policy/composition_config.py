@@ -18,7 +18,10 @@ class CompositionConfig:
     relative gain of 1 or more would forbid every window-picked change); `max_samples` an
     integer in [1, MAX_SAMPLES]; `min_degree <= max_degree` powers of two in [1, MAX_DEGREE].
     A `reverse_after_s` no longer than `window_s` leaves the horizon rule nothing beyond the
-    window to weigh (module doc of `serving.policy.composition`).
+    window to weigh (module doc of `serving.policy.composition`). `deep_splits` (a bool): an
+    overload's planned halvings of one worker are made as one split into their parts, one
+    re-carve (`composition_changes.further_splits`); False plans halves only, for a backend
+    whose `recarve` makes two workers of a split.
 
     Raises:
       ValueError: naming the field and its range, for a value outside it (a bool, a string or
@@ -36,6 +39,7 @@ class CompositionConfig:
     lam: float = 1.0
     min_degree: int = 1
     max_degree: int = 8
+    deep_splits: bool = True
 
     def __post_init__(self) -> None:
         require_finite(self, ("interval_s", "window_s", "min_gain", "min_gain_s", "cooldown_s",
@@ -55,6 +59,8 @@ class CompositionConfig:
             c = getattr(self, name)
             if not is_power_of_two(c):
                 raise ValueError(f"{name} must be a power of two in [1, {MAX_DEGREE}], got {c!r}")
+        if not isinstance(self.deep_splits, bool):
+            raise ValueError(f"deep_splits must be True or False, got {self.deep_splits!r}")
         for name in ("max_samples", "min_degree", "max_degree"):  # (numpy integers as int)
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.min_degree > self.max_degree:

@@ -15,7 +15,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
 from serving.policy.request import Request
-from serving.policy.worker import WorkerSpec, WorkerState, WorkerStatus, are_buddies
+from serving.policy.worker import (WorkerSpec, WorkerState, WorkerStatus, are_buddies,
+                                   is_aligned_tiling)
 
 
 @dataclasses.dataclass
@@ -110,8 +111,9 @@ class Reconfigurations:
         Raises:
           ValueError: an unknown kind; old ids that are repeated, unknown or not ACTIVE; new
             ids that are repeated or already used; or a shape that is not a split (one worker
-            of degree 2C into its two aligned halves) or a merge (two buddy workers of degree C
-            into their aligned group of 2C), devices and KV blocks per device conserved.
+            into the parts repeated halving makes, in one re-carve: `is_aligned_tiling`, two
+            halves or more) or a merge (two buddy workers of degree C into their aligned group
+            of 2C), devices and KV blocks per device conserved.
         """
         if kind not in ("split", "merge"):
             raise ValueError(f"kind must be 'split' or 'merge', got {kind!r}")
@@ -130,10 +132,11 @@ class Reconfigurations:
         if len(set(new_ids)) != len(new_ids) or taken & set(new_ids):
             raise ValueError(f"new worker ids must be fresh and distinct (new_worker_ids()), got {new_ids}")
         if kind == "split":
-            ok = (len(olds) == 1 and len(new_specs) == 2 and olds[0].cp_degree >= 2 and
-                  sorted((s.first_device, s.cp_degree) for s in new_specs) ==
-                  [(olds[0].spec.first_device + k * olds[0].cp_degree // 2, olds[0].cp_degree // 2)
-                   for k in (0, 1)])
+            parts = sorted((s.first_device, s.cp_degree) for s in new_specs)
+            ok = (len(olds) == 1 and len(parts) >= 2 and
+                  parts[0][0] == olds[0].spec.first_device and
+                  all(a + c == b for (a, c), (b, _) in zip(parts, parts[1:])) and
+                  is_aligned_tiling(olds[0].cp_degree, [c for _, c in parts]))
         else:
             a = olds[0].spec if olds else None
             ok = (len(olds) == 2 and len(new_specs) == 1 and are_buddies(a, olds[1].spec) and
@@ -143,7 +146,8 @@ class Reconfigurations:
             raise ValueError(
                 f"not a {kind}: {[(w.worker_id, w.cp_degree, w.spec.first_device) for w in olds]} -> "
                 f"{[(s.worker_id, s.cp_degree, s.first_device) for s in new_specs]} (a split turns "
-                "one 2C worker into its two aligned halves, a merge two buddies into their group)")
+                "one worker into the aligned parts repeated halving makes, a merge two buddies "
+                "into their group)")
         if {s.host for s in new_specs} != {w.spec.host for w in olds}:
             raise ValueError(f"a {kind} keeps its host: old workers on hosts "
                              f"{sorted({w.spec.host for w in olds})}, new ones on "

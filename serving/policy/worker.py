@@ -222,9 +222,47 @@ def split_halves(spec: WorkerSpec, new_ids: tuple[int, int], max_input_len: Call
     if spec.cp_degree < 2:
         raise ValueError(f"worker {spec.worker_id} has cp_degree=1 and cannot be split")
     c = spec.cp_degree // 2
+    return split_parts(spec, (c, c), new_ids, max_input_len)
+
+
+def split_parts(spec: WorkerSpec, parts: Sequence[int], new_ids: Sequence[int],
+                max_input_len: Callable[[int], int]) -> tuple[WorkerSpec, ...]:
+    """The workers that splitting `spec` into CP degrees `parts` (device order) makes, in one
+    re-carve: what halving it, then halving some halves, and so on, would make
+    (`is_aligned_tiling`), without the re-carves in between. `split_halves` is two parts.
+
+    KV capacity per device and the host are kept; each part gets `max_input_len(its degree)`.
+
+    Raises:
+      ValueError: fewer than two parts, not one id per part, or parts that are not an aligned
+        tiling of the worker's devices.
+    """
+    parts, new_ids = list(parts), list(new_ids)
+    if len(parts) < 2 or len(new_ids) != len(parts) or not is_aligned_tiling(spec.cp_degree,
+                                                                             parts):
+        raise ValueError(f"cannot split worker {spec.worker_id} (cp_degree={spec.cp_degree}) "
+                         f"into parts {parts} with ids {new_ids}: need two or more parts, one "
+                         "id each, that repeated halving makes (powers of two in device order "
+                         "summing to its degree, each starting at a multiple of itself)")
     per_device = spec.kv_capacity_blocks // spec.cp_degree
-    return tuple(WorkerSpec(wid, c, spec.first_device + k * c, per_device * c, max_input_len(c),
-                            spec.host) for k, wid in enumerate(new_ids))
+    out, at = [], spec.first_device
+    for wid, c in zip(new_ids, parts):
+        out.append(WorkerSpec(wid, c, at, per_device * c, max_input_len(c), spec.host))
+        at += c
+    return tuple(out)
+
+
+def is_aligned_tiling(cp_degree: int, parts: Sequence[int]) -> bool:
+    """True when CP degrees `parts`, in device order, tile a worker of `cp_degree` devices (a
+    power of two) as repeated halving does: powers of two summing to `cp_degree`, each starting
+    at a multiple of itself (counted from the worker's first device). E.g. for 8: [4, 2, 2]
+    and [1, 1, 2, 4] are, [2, 4, 2] is not (the 4 would start at device 2)."""
+    at = 0
+    for c in parts:
+        if not (is_power_of_two(c) and at % c == 0):
+            return False
+        at += c
+    return at == cp_degree and is_power_of_two(cp_degree)
 
 
 def are_buddies(a: WorkerSpec, b: WorkerSpec) -> bool:

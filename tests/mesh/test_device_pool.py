@@ -90,6 +90,24 @@ def test_split_is_adopted_only_when_every_rank_is_ready():
         pool.group(1)
 
 
+def test_split_into_parts_in_one_change():
+    pool = DevicePool(jax.devices(), [8])
+    before = _snapshot(pool)
+    for parts in ([2, 4, 2], [4, 2], [4, 4, 4], [8], [4, True, 2, 1], [4, 2.0, 2]):
+        with pytest.raises(ValueError, match="parts must be two or more"):
+            pool.begin_split(0, parts=parts)
+        assert _snapshot(pool) == before
+    with pytest.raises(ValueError, match="3 distinct"):
+        pool.begin_split(0, new_ids=[5, 6], parts=[4, 2, 2])
+    change = pool.begin_split(0, new_ids=[5, 6, 7, 8], parts=[1, 1, 2, 4])
+    assert [(g.worker_id, g.first_device, g.cp_degree) for g in change.new_groups] == [
+        (5, 0, 1), (6, 1, 1), (7, 2, 2), (8, 4, 4)]
+    for wid in change.new_ids:
+        change.mark_worker_ready(wid)
+    pool.commit(change)
+    assert pool.composition == [1, 1, 2, 4] and pool.legal_merges() == [(5, 6)]
+
+
 def test_merge_abort_and_explicit_ids_and_epochs():
     pool = DevicePool(jax.devices(), [2, 2, 2, 2])
     change = pool.begin_merge(3, 2, new_id=40, epoch=7)  # any order; scheduler's id and epoch

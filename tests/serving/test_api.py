@@ -175,6 +175,37 @@ def test_admin_split_merge():
         wait_until(lambda: c.get("/v1/workers").json()["composition"] == [4, 2, 2])
 
 
+def test_admin_split_into_parts():
+    # A CP-4 worker into [1, 1, 2] in one re-carve: one change, three fresh workers on its
+    # devices 0, 1 and 2-3; parts halving does not make, or a degree without a profile, are a
+    # 400 naming `parts`, and nothing changes.
+    c, engine = make_client(degrees=(1, 2, 4))
+    with c:
+        admin = {"Authorization": "Bearer admin"}
+        for bad, why in (([2, 1, 1, 0], "not a split"), ([1, 2, 1], "not a split"),
+                         ([2, 2, 2], "not a split"), ([4], None), ([2, 2.0], None)):
+            r = c.post("/v1/workers/split", json={"worker_id": 0, "parts": bad}, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "parts", (bad, r.text)
+            assert why is None or why in r.json()["error"]["message"], r.text
+        assert engine.scheduler.composition == [4, 2, 2] and not engine.scheduler.reconfig.log
+        r = c.post("/v1/workers/split", json={"worker_id": 0, "parts": [1, 1, 2]}, headers=admin)
+        assert r.status_code == 200 and r.json()["old"] == [0] and len(r.json()["new"]) == 3
+        wait_until(lambda: c.get("/v1/workers").json()["composition"] == [1, 1, 2, 2, 2])
+        w = c.get("/v1/workers").json()
+        assert [x["kind"] for x in w["reconfigurations"]] == ["split"]
+        new = {x["worker_id"]: (x["first_device"], x["cp_degree"]) for x in w["workers"]
+               if x["worker_id"] in r.json()["new"]}
+        assert sorted(new.values()) == [(0, 1), (1, 1), (2, 2)], w["workers"]
+        assert c.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
+    c, engine = make_client(degrees=(2, 4))
+    with c:
+        r = c.post("/v1/workers/split", json={"worker_id": 0, "parts": [1, 1, 2]},
+                   headers={"Authorization": "Bearer admin"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "parts"
+        assert "CP degree 1" in r.json()["error"]["message"]
+        assert engine.scheduler.composition == [4, 2, 2]
+
+
 def test_reset_prefix_cache(client):
     ids = [3] * 40
     assert client.post("/v1/completions", json={"prompt": ids}).status_code == 200

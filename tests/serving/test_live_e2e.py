@@ -42,7 +42,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def client():
-    cfg = ServerConfig(composition=(4, 2, 2), degrees=(2, 4), admin_api_key="admin",
+    cfg = ServerConfig(composition=(4, 2, 2), degrees=(1, 2, 4), admin_api_key="admin",
                        min_bucket=64, engine=EngineConfig(
                            block_size=BS, kv_blocks_per_device=32, max_model_len=64,
                            controller=False, cache_manager=False, tick_seconds=0.05))
@@ -91,22 +91,34 @@ def test_out_of_vocab_and_too_long(client):
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
 
 
-def test_split_and_merge_under_load_lose_nothing(client, reference):
-    prompts = _prompts(36, seed=7)
+def _stream(client, prompts, actions):
+    """Posts `prompts` from six threads, 20 ms apart, calling `actions[i]()` after the i-th is
+    sent; returns the responses in order."""
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = []
         for i, p in enumerate(prompts):
             futures.append(pool.submit(client.post, "/v1/completions", json={"prompt": p}))
-            if i == 6:
-                r = client.post("/v1/workers/split", json={"worker_id": 0}, headers=ADMIN)
-                assert r.status_code == 200, r.text
-            if i == 18:
-                _wait(lambda: client.get("/v1/workers").json()["composition"] == [2, 2, 2, 2])
-                ids = [w["worker_id"] for w in client.get("/v1/workers").json()["workers"]]
-                r = client.post("/v1/workers/merge", json={"worker_ids": ids[2:4]}, headers=ADMIN)
-                assert r.status_code == 200, r.text
+            if i in actions:
+                actions[i]()
             time.sleep(0.02)
-        responses = [f.result() for f in futures]
+        return [f.result() for f in futures]
+
+
+def _admin(client, path, body):
+    r = client.post(path, json=body, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_split_and_merge_under_load_lose_nothing(client, reference):
+    prompts = _prompts(36, seed=7)
+
+    def merge():
+        _wait(lambda: client.get("/v1/workers").json()["composition"] == [2, 2, 2, 2])
+        ids = [w["worker_id"] for w in client.get("/v1/workers").json()["workers"]]
+        _admin(client, "/v1/workers/merge", {"worker_ids": ids[2:4]})
+    responses = _stream(client, prompts, {
+        6: lambda: _admin(client, "/v1/workers/split", {"worker_id": 0}), 18: merge})
     assert [r.status_code for r in responses] == [200] * len(prompts)
     for p, r in zip(prompts, responses):
         assert r.json()["choices"][0]["token_ids"] == [reference(p)]
@@ -120,6 +132,31 @@ def test_split_and_merge_under_load_lose_nothing(client, reference):
     p = prompts[-1]
     again = client.post("/v1/completions", json={"prompt": p}).json()
     assert again["choices"][0]["token_ids"] == [reference(p)]
+
+
+def test_split_into_parts_under_load_loses_nothing(client, reference):
+    # After the test above the pool is [2, 2, 4]: its CP-4 worker is re-carved into [1, 1, 2]
+    # in one change (two halvings inside one re-carve) while requests stream in; every answer
+    # is the reference token, the KV moved (no cold fallback), and prompts served before the
+    # change are still answered right after it.
+    before = _prompts(12, seed=9)
+    for p in before:
+        assert client.post("/v1/completions", json={"prompt": p}).status_code == 200
+    big = next(w["worker_id"] for w in client.get("/v1/workers").json()["workers"]
+               if w["cp_degree"] == 4)
+    prompts, made = _prompts(18, seed=10), []
+    responses = _stream(client, prompts, {4: lambda: made.append(_admin(
+        client, "/v1/workers/split", {"worker_id": big, "parts": [1, 1, 2]}))})
+    assert len(made[0]["new"]) == 3, made
+    assert [r.status_code for r in responses] == [200] * len(prompts)
+    for p, r in zip(prompts, responses):
+        assert r.json()["choices"][0]["token_ids"] == [reference(p)]
+    _wait(lambda: client.get("/v1/workers").json()["composition"] == [2, 2, 1, 1, 2])
+    assert client.get("/v1/workers").json()["reconfigurations"][-1]["kind"] == "split"
+    assert not client.app.state.engine.backend.errors  # KV moved, no cold fallback
+    for p in before:
+        r = client.post("/v1/completions", json={"prompt": p}).json()
+        assert r["choices"][0]["token_ids"] == [reference(p)]
 
 
 def test_metrics_after_traffic(client):

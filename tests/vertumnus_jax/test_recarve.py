@@ -27,6 +27,7 @@ from vertumnus_jax.recarve import (
     replicate_prefix,
     split_worker,
 )
+from vertumnus_jax.recarve_parts import split_worker_into
 from vertumnus_jax.worker import Worker
 
 BS, LEN, SHARED = 16, 200, 5
@@ -224,6 +225,46 @@ def test_split_policy_balances_or_follows_assign_and_drops_lru(env):
     assert len(upper.cache) == 0 and len(lower.cache) == 4
     for hashes, k, v in chains[2:]:
         _check_data(lower, hashes, k, v)
+
+
+def test_split_into_parts_halves_within_one_call(env):
+    # A CP-4 worker (devices 0-3, 4 blocks a rank) holding four 2-block prefixes, split into
+    # [1, 1, 2] in one call: weights and KV pools re-wrapped in place, each kept prefix on one
+    # part with its K/V and block i on the part's rank i mod C, and the in-place count equal
+    # to an independent count from the blocks' devices before and after.
+    rng = np.random.default_rng(13)
+    devices = jax.devices()
+    w = _worker(env, 0, 4, 4)
+    chains = _fill(w, rng, 4, 2)
+    weights, kv, state = buffer_pointers(w.params), _kv_pointers(w), w.cache.state()
+    meshes = [worker_mesh(devices, 0, 1), worker_mesh(devices, 1, 1), worker_mesh(devices, 2, 2)]
+    middle = jax.sharding.Mesh(np.array(devices[1:3]), ("cp",))
+    for bad in ([meshes[0], middle, worker_mesh(devices, 3, 1)],  # [1, 2, 1]: unaligned
+                meshes[:2], [worker_mesh(devices, 0, 4)], meshes[::-1],
+                [meshes[0], meshes[1], worker_mesh(devices, 2, 2, axis="x")]):
+        with pytest.raises(ValueError, match="parts repeated halving makes"):
+            split_worker_into(w, bad)
+    assert w.cache.state() == state and w.retired is None
+    parts, stats = split_worker_into(w, meshes)
+    assert w.retired == "split" and [p.cp_degree for p in parts] == [1, 1, 2]
+    assert stats.weight_bytes_moved == 0
+    for p, first in zip(parts, (0, 1, 2)):
+        assert buffer_pointers(p.params) == {d: weights[d] for d in range(first,
+                                                                          first + p.cp_degree)}
+    assert {k: v for p in parts for k, v in _kv_pointers(p).items()} == kv
+    kept, in_place = set(), 0
+    for hashes, k, v in chains:
+        holders = [(p, first) for p, first in zip(parts, (0, 1, 2)) if hashes[0] in p.cache]
+        if not holders:
+            continue
+        [(p, first)] = holders
+        _check_data(p, hashes, k, v)
+        kept |= set(hashes)
+        in_place += sum(first + i % p.cp_degree == i % 4 for i in range(len(hashes)))
+    assert set(stats.dropped_hashes) == {h for ch in chains for h in ch[0]} - kept
+    assert len(kept) >= 6 and stats.kv_blocks_in_place == in_place
+    assert stats.kv_blocks_moved >= len(kept) - in_place
+    assert [set(c) for c in stats.cached_hashes] == [set(p.cached_hashes()) for p in parts]
 
 
 def test_bad_split_and_merge_change_nothing(env):

@@ -226,3 +226,31 @@ def test_cyclic_parent_links_are_refused_instead_of_looping():
     with pytest.raises(ValueError, match="cycle"):
         cache.restore_ancestor_order()
     assert cache.blocks() == [(5, 6), (6, 5)]  # unchanged
+
+
+def test_split_into_parts_is_the_halving_that_makes_them():
+    # A CP-8 worker's cache (10 blocks a GPU) into [2, 2, 4]: what halving it (40 blocks
+    # each), then its lower half (20 each), gives; every block kept lands in one part.
+    from eval.sim.local_cache import split_cache, split_cache_parts
+
+    def filled():
+        cache = LocalPrefixCache(80)
+        for i in range(12):  # 12 prompts of 1-6 blocks, some sharing a first block
+            hashes = chain_block_hashes([i % 4 * 1000] + [i * 100 + k for k in range(i % 6)])
+            n = len(hashes)
+            hit, _ = cache.begin(hashes, max_blocks=n, total_blocks=n)
+            cache.finish(hashes, hit, full_blocks=n, total_blocks=n)
+        return cache
+    cache = filled()
+    before = {h for h, _ in cache.blocks()}
+    parts = split_cache_parts(cache, [2, 2, 4], 10)
+    lower, upper = split_cache(filled(), 40)
+    ref = [*split_cache(lower, 20), upper]
+    assert [p.blocks() for p in parts] == [r.blocks() for r in ref]
+    held = [{h for h, _ in p.blocks()} for p in parts]
+    assert [p.capacity_blocks for p in parts] == [20, 20, 40]
+    assert set().union(*held) == before and sum(map(len, held)) == len(before)
+    assert split_cache_parts(filled(), [8], 10)[0].blocks() == filled().blocks()
+    for bad in ([2, 4, 2], [4, 2], []):
+        with pytest.raises(ValueError, match="parts must be"):
+            split_cache_parts(filled(), bad, 10)

@@ -106,7 +106,8 @@ def test_overload_on_large_workers_splits_at_the_first_evaluation():
     figures = dict(first["candidates"])
     assert figures["load (work / capacity) staying"] > 1.0, first["candidates"]
     chosen = first["candidates"][1]
-    assert re.fullmatch(r"split \[[01]\] \(load [\d.]+\)", chosen[0]), chosen
+    assert re.fullmatch(r"split \[[01]\] \(load [\d.]+\)(, made into \[[\d, ]+\] \(load "
+                        r"[\d.]+\))?", chosen[0]), chosen
     assert chosen[1] < figures["stay"], first["candidates"]
     splits = [d for d in ctl.decisions if d.get("kind") == "split"]
     assert len(splits) >= 3 and max(handle[0].composition) <= 4, handle[0].composition
@@ -291,19 +292,30 @@ def test_a_request_placed_again_is_one_arrival_of_the_window():
 def test_an_overloads_further_splits_shorten_the_transient(monkeypatch):
     # Issue 15's case at 90 req/s from a cold start on [8, 8], default knobs. Each overload
     # step is made with the splits that bring the load to 1 (`further_splits`), their drains
-    # overlapping, and the requests a change displaced are placed again on its new workers
-    # when it is done: fewer steps, each a re-carve apart, and a mean TTFT lower by over 20 %
-    # than one split a step (the overload rule before, run here with no further splits).
-    def run():
-        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
-                                    lambda c: 100_000)
+    # overlapping, each worker re-carved once into the parts its planned halvings make, and
+    # the requests a change displaced are placed again on its new workers when it is done:
+    # fewer steps and re-carves, and a lower mean TTFT than halves only (`deep_splits=False`,
+    # each halving its own re-carve a second apart), itself over 20 % lower than one split a
+    # step (the overload rule before, run here with no further splits).
+    def run(deep=True):
+        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8,
+                                                      deep_splits=deep), lambda c: 100_000)
         recs = simulate(short_prompts(10_800, 90.0), layout_workers([8, 8], 10_000, 100_000),
                         COST, VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
         return [d for d in ctl.decisions if d.get("kind")], np.mean([r.ttft for r in recs])
     steps, ttft = run()
     assert all(d["kind"] == "split" for d in steps), steps
-    assert sum(len(d["further"]) for d in steps) >= 4, steps
-    monkeypatch.setattr(composition, "further_splits", lambda *a: [])
-    one_by_one, ttft_one = run()
-    assert not any(d["further"] for d in one_by_one) and len(one_by_one) > len(steps) + 2
-    assert ttft < 0.8 * ttft_one, (ttft, ttft_one)
+    # the first step re-carves a CP-8 straight into parts below CP-4 (one drain, one re-carve)
+    made = re.search(r"made into \[([\d, ]+)\]", steps[0]["candidates"][1][0])
+    parts = [int(c) for c in made.group(1).split(", ")] if made else []
+    assert len(steps[0]["new"]) == len(parts) > 2 and max(parts) < 4, steps[0]
+    halves, ttft_halves = run(deep=False)
+    assert all(len(d["new"]) == 2 for d in halves) and sum(len(d["further"]) for d in halves) >= 4
+    recarves = sum(1 + len(d["further"]) for d in steps)
+    assert recarves < sum(1 + len(d["further"]) for d in halves), (steps, halves)
+    assert ttft < 0.75 * ttft_halves, (ttft, ttft_halves)
+    monkeypatch.setattr(composition, "further_splits",
+                        lambda active, first, added, load, *a: [(list(first), list(added), load)])
+    one_by_one, ttft_one = run(deep=False)
+    assert not any(d["further"] for d in one_by_one) and len(one_by_one) > len(halves) + 2
+    assert ttft_halves < 0.8 * ttft_one, (ttft_halves, ttft_one)

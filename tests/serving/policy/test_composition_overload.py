@@ -144,20 +144,28 @@ def test_an_overload_step_is_made_with_the_splits_that_bring_the_load_to_1():
     # load of 1.25 and more, the overload rule's. One CP-8 split leaves [4, 4, 8] (2 / T4 +
     # 1 / T8 = 77.0 a second): still above 1, so the other CP-8 splits in the same step
     # (`further_splits`; their drains overlap), to [4, 4, 4, 4] (4 / T4 = 85.3 a second): a
-    # load just above 1 that no split of a worker not yet changed can lower (none is left).
-    t4, t8 = COST.predict(4, 2000, 0), COST.predict(8, 2000, 0)
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
-    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    # load just above 1 that no split of a worker not yet changed can lower (none is left), so
+    # a planned CP-4 part is halved too (2 / T2 + 3 / T4 a second), and the first CP-8 is
+    # re-carved once, into [2, 2, 4]. Without `deep_splits` the step stops at [4, 4, 4, 4].
+    t2, t4, t8 = (COST.predict(c, 2000, 0) for c in (2, 4, 8))
     n, rate = 1720, 86.0  # (a 20 s window: the queue growth outweighs the 1 s re-carve)
-    op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 0) for i in range(n)])
     per_s = rate * n / (n - 1)  # (the window's span is (n - 1) / rate)
-    assert dict(figures)["load (work / capacity) staying"] == pytest.approx(per_s * t8 / 2)
     after_one, after_both = per_s / (2 / t4 + 1 / t8), per_s / (4 / t4)
-    assert per_s * t8 / 2 > 1.25 and after_one > 1.0 and after_both > 1.0
-    assert urgent and len(op) == 2 and [o[0] for o in op] == ["split", "split"], figures
-    assert sorted(o[1][0] for o in op) == [0, 1] and figures[1][0].endswith(
-        f"(load {after_one:.2f})") and figures[2][0] == (
-        f"and split [{op[1][1][0]}] (load {after_both:.2f})"), figures
+    after_parts = per_s / (2 / t2 + 3 / t4)
+    assert per_s * t8 / 2 > 1.25 and after_one > 1.0 and after_both > 1.0 >= after_parts
+    for deep in (True, False):
+        s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8,
+                                                      deep_splits=deep), lambda c: 100_000)
+        op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 0) for i in range(n)])
+        assert dict(figures)["load (work / capacity) staying"] == pytest.approx(per_s * t8 / 2)
+        assert urgent and [(o[0], o[1]) for o in op] == [("split", [0]), ("split", [1])], figures
+        parts = [[(sp.first_device, sp.cp_degree) for sp in o[2]] for o in op]
+        assert parts == [[(0, 2), (2, 2), (4, 4)] if deep else [(0, 4), (4, 4)],
+                         [(8, 4), (12, 4)]], figures
+        made = f", made into [2, 2, 4] (load {after_parts:.2f})" if deep else ""
+        assert figures[1][0] == f"split [0] (load {after_one:.2f}){made}", figures
+        assert figures[2][0] == f"and split [1] (load {after_both:.2f})", figures
 
 
 def test_a_refused_further_split_leaves_the_step_made_and_says_so():

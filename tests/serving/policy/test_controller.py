@@ -13,7 +13,8 @@ from serving.policy.controller import ControllerConfig, ReconfigurationControlle
 from serving.policy.request import Request, chain_block_hashes, num_blocks
 from serving.policy.router import LeastWorkRouter
 from serving.policy.cost_router import VertumnusRouter
-from serving.policy.worker import WorkerSpec, are_buddies, layout_workers, merge_buddies, split_halves
+from serving.policy.worker import (WorkerSpec, are_buddies, is_aligned_tiling, layout_workers,
+                                   merge_buddies, split_halves, split_parts)
 
 
 class LinearCost:
@@ -109,17 +110,40 @@ def test_geometry_rules():
         split_halves(WorkerSpec(0, 1, 0, 1, 1), (1, 2), lambda c: 1)
 
 
+def test_split_parts_tile_the_worker_as_repeated_halving_does():
+    w = WorkerSpec(3, 8, 16, 80, 1000, host=2)  # devices 16..23, 10 KV blocks each
+    parts = split_parts(w, [2, 2, 4], (7, 8, 9), lambda c: 100 * c)
+    assert [(p.worker_id, p.first_device, p.cp_degree, p.kv_capacity_blocks, p.max_input_len,
+             p.host) for p in parts] == [(7, 16, 2, 20, 200, 2), (8, 18, 2, 20, 200, 2),
+                                         (9, 20, 4, 40, 400, 2)]
+    assert split_parts(w, [4, 4], (1, 2), lambda c: 5) == split_halves(w, (1, 2), lambda c: 5)
+    # (by hand: each part starts at a multiple of itself, the degrees sum to 8)
+    good = ([4, 4], [4, 2, 2], [2, 2, 4], [1, 1, 2, 4], [4, 2, 1, 1], [1] * 8, [8])
+    bad = ([2, 4, 2], [1, 2, 1, 4], [4, 2], [4, 4, 4], [3, 5], [4, 2, 2, 0], [], [2.0, 2, 4])
+    assert all(is_aligned_tiling(8, p) for p in good)
+    assert not any(is_aligned_tiling(8, p) for p in bad)
+    for p in bad + ([8],):
+        with pytest.raises(ValueError, match="cannot split worker 3"):
+            split_parts(w, p, range(len(p)), lambda c: 5)
+    with pytest.raises(ValueError, match="one id each"):
+        split_parts(w, [4, 2, 2], (1, 2), lambda c: 5)
+
+
+class _Idle:
+    """A backend that starts nothing and re-carves nothing (the test finishes changes)."""
+
+    def start_prefill(self, *a):
+        pass
+
+    def recarve(self, *a):
+        pass
+
+
 def test_begin_reconfiguration_rejects_bad_geometry_without_change():
     from serving.policy.scheduler import Scheduler
 
-    class B:
-        def start_prefill(self, *a):
-            pass
-
-        def recarve(self, *a):
-            pass
-
-    s = Scheduler(layout_workers([2, 2, 1, 1], 10, 1000), LinearCost(), LeastWorkRouter(), B())
+    s = Scheduler(layout_workers([2, 2, 1, 1], 10, 1000), LinearCost(), LeastWorkRouter(),
+                  _Idle())
     bad = [
         ("merge", [0, 1], [WorkerSpec(9, 2, 0, 20, 1000)], "not a merge"),   # covers 2 of 4 devices
         ("fold", [0], [], "kind"),
@@ -136,6 +160,36 @@ def test_begin_reconfiguration_rejects_bad_geometry_without_change():
             s.begin_reconfiguration(kind, old, new, 0.0)
     assert s.epoch == 0 and all(w.status.value == "active" for w in s.workers.values())
     assert s.begin_reconfiguration("merge", [2, 3], [WorkerSpec(9, 2, 4, 20, 1000)], 0.0).epoch == 1
+
+
+def test_a_split_may_make_the_parts_repeated_halving_makes():
+    from serving.policy.scheduler import Scheduler
+
+    s = Scheduler(layout_workers([8, 4, 4], 10, 1000), LinearCost(), LeastWorkRouter(), _Idle())
+
+    def specs(*parts, first=0):  # (id, degree) in device order from `first`, 10 blocks a GPU
+        out = []
+        for wid, c in parts:
+            out.append(WorkerSpec(wid, c, first, 10 * c, 1000))
+            first += c
+        return out
+    bad = [  # (each: not the parts halving the CP-8 at devices 0..7 makes; a part that is
+        # not aligned, as [2, 4, 2], is refused by `WorkerSpec` itself)
+        specs((7, 4), (8, 2)),                  # covers 6 of 8 devices
+        specs((7, 2), (8, 2), (9, 4), first=8),  # another worker's devices
+        specs((7, 4), (8, 2), (9, 1), (10, 1), (11, 1)),  # 9 devices
+        specs((7, 8)),                          # one part
+        [WorkerSpec(7, 4, 0, 40, 1000), WorkerSpec(8, 2, 6, 20, 1000),
+         WorkerSpec(9, 2, 6, 20, 1000)],        # overlapping, a gap at 4..5
+    ]
+    for new in bad:
+        with pytest.raises(ValueError, match="not a split"):
+            s.begin_reconfiguration("split", [0], new, 0.0)
+    assert s.epoch == 0 and s.composition == [8, 4, 4]
+    rec = s.begin_reconfiguration("split", [0], specs((7, 1), (8, 1), (9, 2), (10, 4)), 0.0)
+    assert rec.kind == "split" and len(rec.new_specs) == 4
+    s.finish_reconfiguration(rec.epoch, 1.0, {})
+    assert s.composition == [1, 1, 2, 4, 4, 4] and sorted(s.workers) == [1, 2, 7, 8, 9, 10]
 
 
 def test_initial_composition_most_large_workers_with_enough_capacity():
