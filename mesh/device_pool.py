@@ -19,6 +19,7 @@ Imports only jax (and `mesh.submesh`, `mesh.device_group`, `mesh.pending_change`
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -266,7 +267,8 @@ class DevicePool:
         parts = [g.cp_degree // 2] * 2 if parts is None else list(parts)
         at = 0
         for c in parts:  # (an aligned tiling: `serving.policy.worker.is_aligned_tiling`)
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1) or at % c:
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 or \
+                    c & (c - 1) or at % c:
                 at = -1
                 break
             at += c
@@ -274,6 +276,7 @@ class DevicePool:
             raise ValueError(f"parts must be two or more CP degrees that halving worker "
                              f"{worker_id} (degree {g.cp_degree}) makes, in device order, got "
                              f"{parts}")
+        parts = [int(c) for c in parts]  # (numpy integers as int)
         ids = self._new_ids(new_ids, len(parts))
         e = self._new_epoch(epoch)
         news, at = [], g.first_device

@@ -259,7 +259,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         try:
             rec = engine.split(body.worker_id, body.parts)
         except StrandedRequests as e:
-            raise ApiError(409, f"split of worker {body.worker_id} refused: {e}", "worker_id",
+            into = f" into parts {body.parts}" if body.parts is not None else ""
+            raise ApiError(409, f"split of worker {body.worker_id}{into} refused: {e}",
+                           "worker_id" if body.parts is None else "parts",
                            "conflict_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "parts" if body.parts is not None and not str(

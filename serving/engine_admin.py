@@ -28,9 +28,9 @@ class EngineAdmin:
         workers' ids).
 
         Raises:
-          StrandedRequests: (nothing changed but the new worker ids, never handed out again,
-            as ids are never reused) waiting requests that only this worker, or one as large,
-            could hold (`Reconfigurations.refuse_stranding`).
+          StrandedRequests: (nothing changed; the new ids are handed out again,
+            `Reconfigurations.admit`) waiting requests that only this worker, or one as large,
+            or (with `parts`) a part as large, could hold (`Reconfigurations.refuse_stranding`).
           ValueError: (nothing changed) an unknown, draining or degree-1 worker; `parts`
             (the message starts with "parts") that halving this worker does not make, or a
             degree not among the pool's.
@@ -48,6 +48,7 @@ class EngineAdmin:
                              f"{w.cp_degree}): two or more powers of two in device order "
                              "summing to its degree, each starting at a multiple of itself "
                              "(e.g. [1, 1, 2] of a 4)")
+        parts = [int(c) for c in parts]  # (numpy integers as int: the mesh pool wants ints)
         for c in sorted(set(parts)):
             self._check_degree(c, "split")
         specs = split_parts(w.spec, parts, s.new_worker_ids(len(parts)),

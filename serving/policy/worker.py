@@ -246,7 +246,7 @@ def split_parts(spec: WorkerSpec, parts: Sequence[int], new_ids: Sequence[int],
                          "summing to its degree, each starting at a multiple of itself)")
     per_device = spec.kv_capacity_blocks // spec.cp_degree
     out, at = [], spec.first_device
-    for wid, c in zip(new_ids, parts):
+    for wid, c in zip(new_ids, map(int, parts)):  # (numpy integers as int)
         out.append(WorkerSpec(wid, c, at, per_device * c, max_input_len(c), spec.host))
         at += c
     return tuple(out)

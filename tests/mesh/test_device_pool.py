@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import jax
+import numpy as np
 import pytest
 
 from mesh import DevicePool, check_composition
@@ -106,6 +107,8 @@ def test_split_into_parts_in_one_change():
         change.mark_worker_ready(wid)
     pool.commit(change)
     assert pool.composition == [1, 1, 2, 4] and pool.legal_merges() == [(5, 6)]
+    change = pool.begin_split(8, parts=np.array([2, 1, 1]))  # (numpy integers as ints)
+    assert [type(g.cp_degree) for g in change.new_groups] == [int] * 3
 
 
 def test_merge_abort_and_explicit_ids_and_epochs():

@@ -146,6 +146,10 @@ def test_split_that_strands_queued_requests_is_409_and_all_are_answered():
         err = r.json()["error"]
         assert err["param"] == "worker_id" and "3000 tokens" in err["message"]
         assert "largest would hold 2048 tokens" in err["message"]
+        r = c.post("/v1/workers/split", json={"worker_id": 1, "parts": [2, 1, 1]}, headers=ADMIN)
+        err = r.json()["error"]  # (the parts refused: named so)
+        assert r.status_code == 409 and err["param"] == "parts", r.text
+        assert "into parts [2, 1, 1] refused" in err["message"]
         results = [f.result() for f in futures]
         assert [r.status_code for r in results] == [200] * 10
         assert [r.json()["cp_degree"] for r in results] == [4] * 10

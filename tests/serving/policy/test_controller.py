@@ -117,6 +117,8 @@ def test_split_parts_tile_the_worker_as_repeated_halving_does():
              p.host) for p in parts] == [(7, 16, 2, 20, 200, 2), (8, 18, 2, 20, 200, 2),
                                          (9, 20, 4, 40, 400, 2)]
     assert split_parts(w, [4, 4], (1, 2), lambda c: 5) == split_halves(w, (1, 2), lambda c: 5)
+    made = split_parts(w, np.array([4, 2, 2]), (1, 2, 4), lambda c: 5)  # (numpy: as ints)
+    assert [type(p.cp_degree) for p in made] == [int] * 3
     # (by hand: each part starts at a multiple of itself, the degrees sum to 8)
     good = ([4, 4], [4, 2, 2], [2, 2, 4], [1, 1, 2, 4], [4, 2, 1, 1], [1] * 8, [8])
     bad = ([2, 4, 2], [1, 2, 1, 4], [4, 2], [4, 4, 4], [3, 5], [4, 2, 2, 0], [], [2.0, 2, 4])
