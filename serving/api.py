@@ -72,11 +72,19 @@ _LOGGED_FIELDS, _FIELD_CHARS = 8, 64
 WORKERS_RECONFIGURATIONS = 32
 
 
-def _field(loc) -> str:
+def _field(loc, indexed: bool = False) -> str:
     """The request field an error is about: its top-level name (pydantic's union branch tags
-    such as `str` or `list[int]` after it are dropped), `body` for the body itself."""
+    such as `str` or `list[int]` after it are dropped), `body` for the body itself; with
+    `indexed`, the list indices right after the name too (`parts[1]`), for the message."""
     parts = [p for p in loc if p != "body"]
-    return str(parts[0]) if parts else "body"
+    if not parts:
+        return "body"
+    out = str(parts[0])
+    for p in parts[1:] if indexed else ():
+        if not isinstance(p, int):
+            break
+        out += f"[{p}]"
+    return out
 
 
 def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
@@ -135,7 +143,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
             return _error(400, "request body must be a JSON object (send it with Content-Type: "
                                "application/json)", "body")
-        msgs = "; ".join(f"{_field(e.get('loc', ()))}: "
+        msgs = "; ".join(f"{_field(e.get('loc', ()), indexed=True)}: "
                          f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5])
         return _error(400, msgs, field)
 

@@ -183,7 +183,8 @@ def test_admin_split_into_parts():
     with c:
         admin = {"Authorization": "Bearer admin"}
         for bad, why in (([2, 1, 1, 0], "not a split"), ([1, 2, 1], "not a split"),
-                         ([2, 2, 2], "not a split"), ([4], None), ([2, 2.0], None)):
+                         ([2, 2, 2], "not a split"), ([4], None),
+                         ([2, 2.5], "parts[1]: Input should be a valid integer")):
             r = c.post("/v1/workers/split", json={"worker_id": 0, "parts": bad}, headers=admin)
             assert r.status_code == 400 and r.json()["error"]["param"] == "parts", (bad, r.text)
             assert why is None or why in r.json()["error"]["message"], r.text
