@@ -16,7 +16,8 @@ workers: weights are re-wrapped (zero bytes moved), KV blocks of retained prefix
 under the new striping (`vertumnus_jax.recarve`; a split into more than two parts halves
 repeatedly within the one re-carve, `vertumnus_jax.recarve_parts`), every rank of each new
 worker is marked ready in the `DevicePool`, the new epoch is committed, and only then does the
-scheduler see the new workers (`finish_reconfiguration`). A replica is reported only after its copy has completed;
+scheduler see the new workers (`finish_reconfiguration`); a change the `DevicePool` refuses
+changed nothing and is given up (`abandon_reconfiguration`: the old workers serve again). A replica is reported only after its copy has completed;
 a reclaimed prefix leaves the index only after its blocks were freed.
 
 KV holds (the P/D hand-off, `serving.kv_handoff`): a prefill whose request asked for one keeps
@@ -236,14 +237,20 @@ class LiveBackend:
             try:
                 for wid, old in zip(rec.old_ids, olds):  # the re-carve wants idle workers
                     self.handoff.offload(wid, old)
-                if rec.kind == "split":
-                    specs = sorted(rec.new_specs, key=lambda s: s.first_device)
-                    change = self.pool.begin_split(rec.old_ids[0],
-                                                   new_ids=tuple(s.worker_id for s in specs),
-                                                   parts=tuple(s.cp_degree for s in specs))
-                else:
-                    change = self.pool.begin_merge(*rec.old_ids,
-                                                   new_id=rec.new_specs[0].worker_id)
+                try:
+                    if rec.kind == "split":
+                        specs = sorted(rec.new_specs, key=lambda s: s.first_device)
+                        change = self.pool.begin_split(rec.old_ids[0],
+                                                       new_ids=tuple(s.worker_id for s in specs),
+                                                       parts=tuple(s.cp_degree for s in specs))
+                    else:
+                        change = self.pool.begin_merge(*rec.old_ids,
+                                                       new_id=rec.new_specs[0].worker_id)
+                except Exception as e:  # the pool refused it, nothing changed: give it up
+                    self.errors.append(f"re-carve of epoch {rec.epoch} refused by the device "
+                                       f"pool, old workers kept: {type(e).__name__}: {e}")
+                    self._post(lambda: self._give_up(rec.epoch))
+                    return
                 meshes = [self._mesh(g) for g in change.new_groups]
                 try:
                     if rec.kind == "split" and len(meshes) == 2:
@@ -283,6 +290,12 @@ class LiveBackend:
             self._post(finish)
 
         self._recarver.submit(run)
+
+    def _give_up(self, epoch: int) -> None:
+        """A change the device pool refused: the scheduler gives it up, unless a lost worker
+        already made it (`Scheduler.abandon_reconfiguration`)."""
+        if epoch in self.scheduler.reconfig.in_progress:
+            self.scheduler.abandon_reconfiguration(epoch, self._clock())
 
     def replicate(self, replication, now: float) -> None:
         """Copies the missing blocks on the destination's executor; visible once copied. A copy

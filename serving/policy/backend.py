@@ -58,7 +58,9 @@ class Backend(Protocol):
         overload unless `CompositionConfig.deep_splits` is False). Must not block. When every
         rank of the new workers has adopted the new geometry, the backend calls
         `Scheduler.finish_reconfiguration(epoch, now, cached_blocks)` with the blocks each new
-        worker holds. Backends that never reconfigure may raise NotImplementedError.
+        worker holds; one that could not re-carve and changed nothing calls
+        `Scheduler.abandon_reconfiguration(epoch, now)` (the old workers serve again).
+        Backends that never reconfigure may raise NotImplementedError.
         """
         ...
 

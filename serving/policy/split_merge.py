@@ -99,6 +99,23 @@ class SplitMerge:
         for hook in self.reconfigured_hooks:
             hook(self, now)
 
+    def abandon_reconfiguration(self, epoch: int, now: float) -> Reconfiguration:
+        """The backend could not re-carve the change of `epoch` and changed nothing (its old
+        workers are as they were, drained): the change is given up (`Reconfigurations.
+        abandon`; its new workers never appear), its old workers take placements again, and
+        the requests waiting for a worker are placed. Returns the change.
+
+        Raises:
+          ValueError: (nothing changed) no change of that epoch is in progress.
+        """
+        rec = self.reconfig.abandon(epoch)
+        for wid in rec.old_ids:
+            w = self.workers.get(wid)
+            if w is not None and w.status is WorkerStatus.DRAINING:
+                w.status = WorkerStatus.ACTIVE
+        self._retry_pending(now)
+        return rec
+
     def _recarve_drained(self, worker: WorkerState, now: float) -> None:
         """A draining worker went idle: re-carves each change of it whose old workers all are."""
         for rec in self.reconfig.involving(worker.worker_id):

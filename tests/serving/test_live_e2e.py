@@ -167,3 +167,26 @@ def test_metrics_after_traffic(client):
     assert ok == count >= 3
     assert fams["vertumnus:prefix_cache_hits"].samples[0].value >= 48
 
+
+def test_a_re_carve_the_device_pool_refuses_is_given_up(client, reference, monkeypatch):
+    # The device pool refuses the re-carve (here: once, by hand): nothing changed there, so the
+    # scheduler gives the change up and the drained worker serves again, not stuck draining.
+    engine = client.app.state.engine
+    backend = engine.backend
+
+    def refuse(*a, **k):
+        raise ValueError("refused for the test")
+    monkeypatch.setattr(backend.pool, "begin_split", refuse)
+    before = client.get("/v1/workers").json()["composition"]
+    big = next(w["worker_id"] for w in client.get("/v1/workers").json()["workers"]
+               if w["cp_degree"] == 2)
+    _admin(client, "/v1/workers/split", {"worker_id": big})
+    _wait(lambda: not engine.scheduler.reconfig.in_progress)
+    workers = client.get("/v1/workers").json()
+    assert workers["composition"] == before
+    assert all(w["status"] == "active" for w in workers["workers"]), workers["workers"]
+    assert [e for e in backend.errors if "refused by the device pool" in e], backend.errors
+    for p in _prompts(6, seed=11):
+        r = client.post("/v1/completions", json={"prompt": p}).json()
+        assert r["choices"][0]["token_ids"] == [reference(p)]
+    backend.errors.clear()

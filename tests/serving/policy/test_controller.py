@@ -194,6 +194,28 @@ def test_a_split_may_make_the_parts_repeated_halving_makes():
     assert s.composition == [1, 1, 2, 4, 4, 4] and sorted(s.workers) == [1, 2, 7, 8, 9, 10]
 
 
+def test_a_change_the_backend_could_not_make_is_given_up():
+    # The backend refused to re-carve (its device pool said no) and changed nothing: the
+    # scheduler gives the change up, the old worker takes placements again, a request that
+    # waited for a worker is placed, and the backend's late finish of it is ignored.
+    from serving.policy.scheduler import Scheduler
+
+    s = Scheduler(layout_workers([8], 10, 1000), LinearCost(), LeastWorkRouter(), _Idle())
+    parts = split_parts(s.workers[0].spec, [4, 2, 2], (1, 2, 3), lambda c: 1000)
+    rec = s.begin_reconfiguration("split", [0], parts, 0.0)
+    assert s.workers[0].status.value == "draining"
+    s.submit(Request("r", 0.5, 100, 1, chain_block_hashes([1]), 512), 0.5)  # waits: no worker
+    assert not s.workers[0].queue and s.workers[0].running is None
+    assert s.abandon_reconfiguration(rec.epoch, 1.0) is rec
+    assert s.workers[0].status.value == "active" and s.composition == [8]
+    assert s.workers[0].running is not None and s.workers[0].running.request_id == "r"
+    assert not s.reconfig.in_progress and s.reconfig.num_finished == 0
+    s.finish_reconfiguration(rec.epoch, 2.0, {})  # (the backend's late finish: ignored)
+    assert sorted(s.workers) == [0]
+    with pytest.raises(ValueError, match="no reconfiguration of epoch"):
+        s.abandon_reconfiguration(rec.epoch, 3.0)
+
+
 def test_initial_composition_most_large_workers_with_enough_capacity():
     assert sorted(map(sorted, compositions(8, [2, 4]))) == [[2, 2, 2, 2], [2, 2, 4], [4, 4]]
     t = {2: 1.0, 4: 0.55}.get  # CP-4 is a little less efficient per GPU
