@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from serving.policy.reconfiguration import RecarveRefused
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -81,6 +83,10 @@ class _Outcomes:
 
     def finish_reconfiguration(self, epoch, now, cached) -> None:
         self._resolve(("recarve", epoch), cached)
+
+    def abandon_reconfiguration(self, epoch, now) -> None:  # (the device pool refused it)
+        self._resolve(("recarve", epoch), RecarveRefused(
+            f"the device pool refused the re-carve of epoch {epoch}; nothing changed"))
 
     def finish(self, replication, now, inserted, evicted) -> None:
         self._resolve(("copy", id(replication)), (tuple(inserted), tuple(evicted)))

@@ -17,8 +17,9 @@ under the new striping (`vertumnus_jax.recarve`; a split into more than two part
 repeatedly within the one re-carve, `vertumnus_jax.recarve_parts`), every rank of each new
 worker is marked ready in the `DevicePool`, the new epoch is committed, and only then does the
 scheduler see the new workers (`finish_reconfiguration`); a change the `DevicePool` refuses
-changed nothing and is given up (`abandon_reconfiguration`: the old workers serve again). A replica is reported only after its copy has completed;
-a reclaimed prefix leaves the index only after its blocks were freed.
+changed nothing and is given up (`abandon_reconfiguration`: the old workers serve again). A
+replica is reported only after its copy has completed; a reclaimed prefix leaves the index
+only after its blocks were freed.
 
 KV holds (the P/D hand-off, `serving.kv_handoff`): a prefill whose request asked for one keeps
 its blocks pinned after it ends instead of releasing them; a prefill that runs out of blocks
@@ -293,8 +294,10 @@ class LiveBackend:
 
     def _give_up(self, epoch: int) -> None:
         """A change the device pool refused: the scheduler gives it up, unless a lost worker
-        already made it (`Scheduler.abandon_reconfiguration`)."""
-        if epoch in self.scheduler.reconfig.in_progress:
+        already made it (`Scheduler.abandon_reconfiguration`; a host agent's stand-in
+        scheduler, which has no `reconfig`, reports it to the pool's)."""
+        reconfig = getattr(self.scheduler, "reconfig", None)
+        if reconfig is None or epoch in reconfig.in_progress:
             self.scheduler.abandon_reconfiguration(epoch, self._clock())
 
     def replicate(self, replication, now: float) -> None:

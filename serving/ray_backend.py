@@ -33,6 +33,7 @@ from serving.fetch_wait import FetchWaits
 from serving.kv_hold import KVHolds
 from serving.live_backend import LivePrefill
 from serving.policy.backend import PrefillResult
+from serving.policy.reconfiguration import RecarveRefused
 from serving.policy.worker import WorkerSpec
 from serving.ray_handoff import RemoteHandOff
 from serving.ray_state import HostState, RemoteWorker
@@ -193,6 +194,11 @@ class RayBackend:
         def finished(cached):
             if host.state != "alive" or rec.epoch not in self.scheduler.reconfig.in_progress:
                 return  # the host was lost meanwhile: the change was abandoned with it
+            if isinstance(cached, RecarveRefused):  # nothing changed there: the old workers stay
+                self.errors.append(f"re-carve of epoch {rec.epoch} on host {host.host_id} "
+                                   f"refused, old workers kept: {cached}")
+                self.scheduler.abandon_reconfiguration(rec.epoch, self._clock())
+                return
             if isinstance(cached, Exception):  # the agent's state is unknown: start it afresh
                 self.errors.append(f"re-carve of epoch {rec.epoch} on host {host.host_id} "
                                    f"failed: {cached}")

@@ -44,6 +44,12 @@ class Reconfiguration:
     displaced: tuple[str | int, ...] = ()
 
 
+class RecarveRefused(RuntimeError):
+    """A backend could not re-carve a change and changed nothing (its device pool refused it):
+    what a remote backend reports in place of the new workers' blocks, so that the scheduler
+    gives the change up (`Scheduler.abandon_reconfiguration`)."""
+
+
 class StrandedRequests(ValueError):
     """A split or merge refused because requests waiting for a worker would fit none after it.
 

@@ -257,3 +257,47 @@ def test_a_copy_from_a_dying_host_loses_that_host_only(pool):
     r = client.post("/v1/completions", json={"prompt": _prompt(401)})  # host 1 serves on
     assert r.status_code == 200
     wait_until(lambda: client.get("/v1/hosts").json()["hosts"][0]["state"] == "alive", 240)
+
+
+def test_a_refused_re_carve_reaches_the_pool_as_refused():
+    # A host's device pool refusing a re-carve (nothing changed on the host): the agent's
+    # stand-in scheduler answers the pool's wait with `RecarveRefused`, which `RayBackend`
+    # turns into `Scheduler.abandon_reconfiguration` (the old workers serve again), not into a
+    # lost host (any other exception) nor a wait without end.
+    from serving.host_agent import _Outcomes
+    from serving.policy.reconfiguration import RecarveRefused
+
+    outcomes = _Outcomes()
+    future = outcomes.expect(("recarve", 3))
+    outcomes.abandon_reconfiguration(3, 0.0)
+    refused = future.result(timeout=1)
+    assert isinstance(refused, RecarveRefused) and "epoch 3" in str(refused)
+
+    # the head's side, with a stand-in actor answering the re-carve that way at once
+    from serving.policy.router import LeastWorkRouter
+    from serving.policy.scheduler import Scheduler
+    from serving.policy.worker import layout_workers, split_halves
+    from serving.ray_backend import RayBackend
+    from serving.ray_state import HostState
+    from tests.serving.policy.scheduler_fixtures import MsCost
+
+    class Ref:
+        def future(self):
+            return future
+
+    class Agent:
+        class recarve:  # noqa: N801 (`agent.recarve.remote(rec)`, as a Ray actor method)
+            remote = staticmethod(lambda rec: Ref())
+
+    specs = layout_workers([4, 4], 10, 1000)
+    backend = RayBackend([HostState(0, Agent(), (4, 4), state="alive")], specs,
+                         devices_per_host=8, post=lambda fn: fn(), clock=lambda: 1.0,
+                         kv_blocks_per_device=10, max_input_len=lambda c: 1000)
+    s = Scheduler(specs, MsCost(), LeastWorkRouter(), backend)
+    backend.scheduler = s
+    s.begin_reconfiguration("split", [0], split_halves(specs[0], s.new_worker_ids(2),
+                                                       lambda c: 1000), 0.0)
+    assert not s.reconfig.in_progress and s.composition == [4, 4]
+    assert all(w.status.value == "active" for w in s.workers.values())
+    assert backend.hosts[0].state == "alive" and sorted(backend.workers) == [0, 1]
+    assert any("refused, old workers kept" in e for e in backend.errors), list(backend.errors)
