@@ -47,7 +47,7 @@ from serving.api_chat import (CHATML_TEMPLATE, ChatCompletionRequest, ChatTempla
 from serving.api_kv import add_kv_routes, hold_ids, kv_transfer_params
 from serving.api_stream import streaming_response
 from serving.api_tokens import add_token_routes, check_token_ids
-from serving.http_gate import RequestGate, error_response
+from serving.http_gate import RequestGate, error_field, error_response
 from serving.kv_hold import HoldExists
 from serving.policy.reconfiguration import StrandedRequests
 from serving.prom import ServingMetrics
@@ -70,21 +70,6 @@ _error = error_response
 _LOGGED_FIELDS, _FIELD_CHARS = 8, 64
 # `GET /v1/workers` lists this many of the latest finished splits and merges by default.
 WORKERS_RECONFIGURATIONS = 32
-
-
-def _field(loc, indexed: bool = False) -> str:
-    """The request field an error is about: its top-level name (pydantic's union branch tags
-    such as `str` or `list[int]` after it are dropped), `body` for the body itself; with
-    `indexed`, the list indices right after the name too (`parts[1]`), for the message."""
-    parts = [p for p in loc if p != "body"]
-    if not parts:
-        return "body"
-    out = str(parts[0])
-    for p in parts[1:] if indexed else ():
-        if not isinstance(p, int):
-            break
-        out += f"[{p}]"
-    return out
 
 
 def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
@@ -137,13 +122,13 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
-        field = _field(first.get("loc", ()))
+        field = error_field(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {first.get('msg')}", "body")
         if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
             return _error(400, "request body must be a JSON object (send it with Content-Type: "
                                "application/json)", "body")
-        msgs = "; ".join(f"{_field(e.get('loc', ()), indexed=True)}: "
+        msgs = "; ".join(f"{error_field(e.get('loc', ()), indexed=True)}: "
                          f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5])
         return _error(400, msgs, field)
 

@@ -57,6 +57,21 @@ def error_response(status: int, message: str, param: str | None = None,
                                    "code": status}}, status_code=status, headers=headers)
 
 
+def error_field(loc, indexed: bool = False) -> str:
+    """The request field an error is about: its top-level name (pydantic's union branch tags
+    such as `str` or `list[int]` after it are dropped), `body` for the body itself; with
+    `indexed`, the list indices right after the name too (`parts[1]`), for the message."""
+    parts = [p for p in loc if p != "body"]
+    if not parts:
+        return "body"
+    out = str(parts[0])
+    for p in parts[1:] if indexed else ():
+        if not isinstance(p, int):
+            break
+        out += f"[{p}]"
+    return out
+
+
 def bearer_ok(headers: Headers, key: str) -> bool:
     """Whether `Authorization: Bearer <key>` is present (compared in constant time)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
