@@ -128,8 +128,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
         if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
             return _error(400, "request body must be a JSON object (send it with Content-Type: "
                                "application/json)", "body")
-        msgs = "; ".join(f"{error_field(e.get('loc', ()), indexed=True)}: "
-                         f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5])
+        msgs = "; ".join(dict.fromkeys(  # (each once: a union's branches repeat them)
+            f"{error_field(e.get('loc', ()), indexed=True)}: "
+            f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errs[:5]))
         return _error(400, msgs, field)
 
     @app.exception_handler(Exception)

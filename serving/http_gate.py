@@ -57,18 +57,23 @@ def error_response(status: int, message: str, param: str | None = None,
                                    "code": status}}, status_code=status, headers=headers)
 
 
+# pydantic's names of a union's branches in an error's location, not request fields
+_BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def error_field(loc, indexed: bool = False) -> str:
-    """The request field an error is about: its top-level name (pydantic's union branch tags
-    such as `str` or `list[int]` after it are dropped), `body` for the body itself; with
-    `indexed`, the list indices right after the name too (`parts[1]`), for the message."""
+    """The request field an error is about: its top-level name, `body` for the body itself;
+    with `indexed`, its full path for the message (`parts[1]`, `messages[0].role`), pydantic's
+    union branch tags in it (`str`, `list[int]`, a model's class name) dropped."""
     parts = [p for p in loc if p != "body"]
     if not parts:
         return "body"
     out = str(parts[0])
     for p in parts[1:] if indexed else ():
-        if not isinstance(p, int):
-            break
-        out += f"[{p}]"
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not ("[" in p or p in _BRANCH_TAGS or p[:1].isupper()):
+            out += f".{p}"
     return out
 
 

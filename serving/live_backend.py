@@ -238,6 +238,7 @@ class LiveBackend:
             try:
                 for wid, old in zip(rec.old_ids, olds):  # the re-carve wants idle workers
                     self.handoff.offload(wid, old)
+                change = None
                 try:
                     if rec.kind == "split":
                         specs = sorted(rec.new_specs, key=lambda s: s.first_device)
@@ -247,12 +248,14 @@ class LiveBackend:
                     else:
                         change = self.pool.begin_merge(*rec.old_ids,
                                                        new_id=rec.new_specs[0].worker_id)
-                except Exception as e:  # the pool refused it, nothing changed: give it up
+                    meshes = [self._mesh(g) for g in change.new_groups]
+                except Exception as e:  # refused before any KV moved: undone, given up
+                    if change is not None:
+                        self.pool.abort(change)
                     self.errors.append(f"re-carve of epoch {rec.epoch} refused by the device "
                                        f"pool, old workers kept: {type(e).__name__}: {e}")
                     self._post(lambda: self._give_up(rec.epoch))
                     return
-                meshes = [self._mesh(g) for g in change.new_groups]
                 try:
                     if rec.kind == "split" and len(meshes) == 2:
                         a, b, _ = split_worker(olds[0], tuple(meshes), replicas=self.replicas)

@@ -64,6 +64,9 @@ made. Every evaluation is
 logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change was
 made and why.
 
+A change the backend could not make (`Scheduler.abandon_reconfiguration`) stops the evaluations
+for `cooldown_s`, so a refusal is not asked for again at every tick.
+
 A prompt no worker holds is refused and never reaches the window: when one is refused (one a
 worker of `max_degree` would hold), the next evaluations first make the merge making the largest
 worker, a step at a time with no `cooldown_s` between them, until a worker holds it (before the
@@ -81,7 +84,7 @@ from collections import deque
 from collections.abc import Callable
 
 from serving.policy.composition_changes import (candidate_changes, change_degrees, change_op,
-                                                further_splits, target_of)
+                                                further_splits, hold_merge, target_of)
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
 from serving.policy.composition_horizon import replay_horizon
 from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
@@ -125,6 +128,8 @@ class CompositionController:
         self._replan_at: float | None = None
         self._plan_stay = 0.0  # > 0 once an evaluation predicted staying: a plan (see `tick`)
         self._chain = False  # the last evaluation made an overload step
+        self._made: set[int] = set()  # epochs of the changes the last one made
+        self._backoff_until = -float("inf")  # no evaluation before (a change was refused)
 
     def attach(self, scheduler) -> None:
         self._scheduler = scheduler
@@ -170,6 +175,11 @@ class CompositionController:
             self._next_eval = now + cfg.interval_s
         if scheduler.reconfig.in_progress:
             return
+        if self._made & scheduler.reconfig.refused:  # the backend could not make it: back off
+            self._made, self._chain = set(), False
+            self._backoff_until = now + cfg.cooldown_s
+        if now < self._backoff_until:
+            return
         samples = self._samples
         while samples and samples[0][0] <= now - cfg.window_s:
             samples.popleft()
@@ -212,7 +222,7 @@ class CompositionController:
                 entry["reason"] = f"not made: {refused}"
                 self.decisions.append(entry)
                 return
-            rec = recs[0]
+            rec, self._made = recs[0], {r.epoch for r in recs}
             self._quiet_until = now if urgent else now + cfg.cooldown_s
             if urgent:
                 self._next_eval = now
@@ -243,22 +253,16 @@ class CompositionController:
     def _hold_step(self, scheduler, now: float):
         """`([op], figures)` of the merge making the largest worker while no worker holds the
         longest prompt refused (module doc), else None (also when no merge is possible)."""
-        workers, r = scheduler.workers.values(), self._unheld
-        active = [w for w in workers if w.status is WorkerStatus.ACTIVE]
-        if r is None or not active or len(active) != len(workers):
+        r = self._unheld
+        if r is not None and any(w.can_hold(r) for w in scheduler.workers.values()
+                                 if w.status is WorkerStatus.ACTIVE):
+            self._unheld = r = None
+        step = None if r is None else hold_merge(scheduler, now, self.config, self.longest,
+                                                 self.max_input_len)
+        if step is None:
             return None
-        if any(w.can_hold(r) for w in active):
-            self._unheld = None
-            return None
-        merges = [(olds, news) for olds, news in candidate_changes(
-            active, now, set(change_degrees(scheduler, active, self.config)), self.config,
-            self.longest, self.max_input_len) if len(news) < len(olds)]
-        if not merges:
-            return None
-        olds, news = max(merges, key=lambda m: m[1][0])
-        label = f"merge {[w.worker_id for w in olds]} (to hold {r.input_len} tokens)"
-        return ([change_op(scheduler, olds, self.max_input_len)],
-                [("stay", float("nan")), (label, float("nan"))])
+        label = f"merge {step[1]} (to hold {r.input_len} tokens)"
+        return [step[0]], [("stay", float("nan")), (label, float("nan"))]
 
     def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
               elapsed: float | None = None):
@@ -379,11 +383,10 @@ class CompositionController:
         """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
         staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
         most recent) replayed from idle workers (`composition_horizon`; `HorizonReplay.loses`),
-        else those arrivals ("the last N arrivals (S s)"). A change stands
-        that long, and a passing burst's window predicts a gain later arrivals do not give (a
-        CP-8 split for a burst of long documents; eval/RESULTS.md). None when the horizon holds
-        no more arrivals than the window. Not for the overload rule: an overloaded pool's
-        queues grow regardless."""
+        else those arrivals ("the last N arrivals (S s)"). A change stands that long, and a
+        passing burst's window predicts a gain later arrivals do not give (a CP-8 split for a
+        burst of long documents; eval/RESULTS.md). None when the horizon holds no more
+        arrivals than the window. Not for the overload rule (its queues grow regardless)."""
         current = [w.cp_degree for w in active]
         h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
                            + list(news), now, window_len, self.config,

@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from serving.policy.composition_config import CompositionConfig
 from serving.policy.pool_load import pool_backlog, pool_load
 from serving.policy.whatif import Window, target_composition
-from serving.policy.worker import (WorkerState, are_buddies, host_degree_cap, merge_buddies,
-                                   split_parts)
+from serving.policy.worker import (WorkerState, WorkerStatus, are_buddies, host_degree_cap,
+                                   merge_buddies, split_parts)
 
 
 def candidate_changes(active: Sequence[WorkerState], now: float, known: Collection[int],
@@ -128,6 +128,25 @@ def change_op(scheduler, olds: Sequence[WorkerState], max_input_len: Callable[[i
     [new_id] = scheduler.new_worker_ids(1)
     return ("merge", [olds[0].worker_id, olds[1].worker_id],
             [merge_buddies(olds[0].spec, olds[1].spec, new_id, max_input_len)])
+
+
+def hold_merge(scheduler, now: float, config: CompositionConfig, longest: int,
+               max_input_len: Callable[[int], int]):
+    """`(change_op, old worker ids)` of the merge making the largest worker (`candidate_changes`'
+    merges), or None when a worker of the pool is not ACTIVE (a change in progress) or no merge
+    is possible: the step the controller makes while no worker holds a refused prompt. `now`:
+    seconds."""
+    workers = scheduler.workers.values()
+    active = [w for w in workers if w.status is WorkerStatus.ACTIVE]
+    if not active or len(active) != len(workers):
+        return None
+    merges = [(olds, news) for olds, news in candidate_changes(
+        active, now, set(change_degrees(scheduler, active, config)), config, longest,
+        max_input_len) if len(news) < len(olds)]
+    if not merges:
+        return None
+    olds, _ = max(merges, key=lambda m: m[1][0])
+    return change_op(scheduler, olds, max_input_len), [w.worker_id for w in olds]
 
 
 def change_degrees(scheduler, active: Sequence[WorkerState],

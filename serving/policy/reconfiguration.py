@@ -77,8 +77,11 @@ class Reconfigurations:
       log: one dict per finished change (epoch, kind, old and new ids, started, drained,
         finished, composition after it), in finishing order; the last `log_limit` of them.
       finished: finished changes by kind ("split", "merge"), all of them.
-      abandoned: epochs of changes given up because a worker of theirs was lost
-        (`abandon`); the backend's late `finish_reconfiguration` for one is ignored.
+      abandoned: epochs of changes given up because a worker of theirs was lost, or the
+        backend could not re-carve them (`abandon`); the backend's late
+        `finish_reconfiguration` for one is ignored.
+      refused: those of them the backend could not re-carve
+        (`Scheduler.abandon_reconfiguration`).
       retired: ids of workers lost (`serving.policy.membership`); `check` never accepts one
         as a new id.
     """
@@ -89,6 +92,7 @@ class Reconfigurations:
         self.log: list[dict] | deque[dict] = [] if log_limit is None else deque(maxlen=log_limit)
         self.finished: Counter[str] = Counter()
         self.abandoned: set[int] = set()
+        self.refused: set[int] = set()  # those of them the backend could not re-carve
         self.retired: set[int] = set()
         self._next_worker_id = next_worker_id
 

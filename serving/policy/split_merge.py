@@ -102,18 +102,27 @@ class SplitMerge:
     def abandon_reconfiguration(self, epoch: int, now: float) -> Reconfiguration:
         """The backend could not re-carve the change of `epoch` and changed nothing (its old
         workers are as they were, drained): the change is given up (`Reconfigurations.
-        abandon`; its new workers never appear), its old workers take placements again, and
-        the requests waiting for a worker are placed. Returns the change.
+        abandon`, its epoch in `reconfig.refused`; its new workers never appear), its old
+        workers take placements again, and the requests it displaced and those waiting for a
+        worker are placed again (the changes still in progress take their share when done, as
+        `finish_reconfiguration` does). Returns the change.
 
         Raises:
           ValueError: (nothing changed) no change of that epoch is in progress.
         """
         rec = self.reconfig.abandon(epoch)
+        self.reconfig.refused.add(epoch)
         for wid in rec.old_ids:
             w = self.workers.get(wid)
             if w is not None and w.status is WorkerStatus.DRAINING:
                 w.status = WorkerStatus.ACTIVE
+        # as `finish_reconfiguration`: what the change displaced is placed again (its old
+        # workers included), and the changes still in progress take their share when done
+        moved, waiting = self.membership.unqueue_ids(rec.displaced), list(self._pending)
+        self.membership.place_again(moved, now)
         self._retry_pending(now)
+        for later in self.reconfig.in_progress.values():
+            later.displaced += tuple(r.request_id for r in moved + waiting)
         return rec
 
     def _recarve_drained(self, worker: WorkerState, now: float) -> None:

@@ -73,3 +73,19 @@ def test_bad_chat_requests_name_the_field(payload, field):
     with c:
         r = c.post("/v1/chat/completions", json=payload)
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_bad_nested_field_is_named_by_its_path_once():
+    # `param` is the top-level field (OpenAI's); the message names the path inside it, with
+    # pydantic's union branch tags dropped and each line once.
+    c, _ = make_client()
+    with c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages"
+        assert err["message"] == "messages[0].role: Field required", err
+        r = c.post("/v1/completions", json={"prompt": "x", "stop": [1, "a", 2]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "stop"
+        assert err["message"] == ("stop: Input should be a valid string; stop[0]: Input should "
+                                  "be a valid string; stop[2]: Input should be a valid string")

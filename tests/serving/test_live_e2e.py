@@ -189,4 +189,15 @@ def test_a_re_carve_the_device_pool_refuses_is_given_up(client, reference, monke
     for p in _prompts(6, seed=11):
         r = client.post("/v1/completions", json={"prompt": p}).json()
         assert r["choices"][0]["token_ids"] == [reference(p)]
+    # a failure after the pool began the change (its meshes), before any KV moved: the pool's
+    # change is undone too
+    monkeypatch.undo()
+    monkeypatch.setattr(backend, "_mesh", refuse)
+    _admin(client, "/v1/workers/split", {"worker_id": big})
+    _wait(lambda: not engine.scheduler.reconfig.in_progress)
+    assert backend.pool.pending == () and backend.pool.composition == before
+    assert client.get("/v1/workers").json()["composition"] == before
+    monkeypatch.undo()
+    _admin(client, "/v1/workers/split", {"worker_id": big})  # (and it can be split after)
+    _wait(lambda: len(client.get("/v1/workers").json()["composition"]) == len(before) + 1)
     backend.errors.clear()

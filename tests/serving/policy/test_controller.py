@@ -216,6 +216,26 @@ def test_a_change_the_backend_could_not_make_is_given_up():
         s.abandon_reconfiguration(rec.epoch, 3.0)
 
 
+def test_a_change_given_up_spreads_what_waited_as_a_finished_one_does():
+    # [2, 2], both split at once; 4 requests arrive while every worker drains. The first change
+    # is given up (its worker serves again and takes them), the second is finished: what still
+    # queues is placed again over its idle new workers too, as `finish_reconfiguration` does.
+    from serving.policy.scheduler import Scheduler
+
+    s = Scheduler(layout_workers([2, 2], 10, 1000), LinearCost(), LeastWorkRouter(), _Idle())
+    recs = [s.begin_reconfiguration("split", [w], split_halves(
+        s.workers[w].spec, s.new_worker_ids(2), lambda c: 1000), 0.0) for w in (0, 1)]
+    for i in range(4):
+        s.submit(Request(f"r{i}", 0.1, 100, 1, chain_block_hashes([i]), 512), 0.1)
+    assert all(not w.queue and w.running is None for w in s.workers.values())
+    s.abandon_reconfiguration(recs[0].epoch, 1.0)
+    assert len(s.workers[0].queue) == 3 and s.workers[0].running is not None
+    s.finish_reconfiguration(recs[1].epoch, 2.0, {})
+    new = [s.workers[sp.worker_id] for sp in recs[1].new_specs]
+    assert sorted(len(w.queue) + (w.running is not None) for w in new) == [1, 1], s.workers
+    assert len(s.workers[0].queue) == 1
+
+
 def test_initial_composition_most_large_workers_with_enough_capacity():
     assert sorted(map(sorted, compositions(8, [2, 4]))) == [[2, 2, 2, 2], [2, 2, 4], [4, 4]]
     t = {2: 1.0, 4: 0.55}.get  # CP-4 is a little less efficient per GPU
