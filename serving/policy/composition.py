@@ -253,12 +253,13 @@ class CompositionController:
     def _hold_step(self, scheduler, now: float):
         """`([op], figures)` of the merge making the largest worker while no worker holds the
         longest prompt refused (module doc), else None (also when no merge is possible)."""
-        r = self._unheld
-        if r is not None and any(w.can_hold(r) for w in scheduler.workers.values()
-                                 if w.status is WorkerStatus.ACTIVE):
-            self._unheld = r = None
-        step = None if r is None else hold_merge(scheduler, now, self.config, self.longest,
-                                                 self.max_input_len)
+        r, workers = self._unheld, scheduler.workers.values()
+        if r is None or any(w.status is not WorkerStatus.ACTIVE for w in workers):
+            return None
+        if any(w.can_hold(r) for w in workers):
+            self._unheld = None
+            return None
+        step = hold_merge(scheduler, now, self.config, self.longest, self.max_input_len)
         if step is None:
             return None
         label = f"merge {step[1]} (to hold {r.input_len} tokens)"
