@@ -43,7 +43,7 @@ from serving.kv_hold import KVHolds
 from serving.policy.backend import PrefillResult
 from serving.policy.request import Request
 from vertumnus_jax import OutOfBlocksError, Worker, prefill_request, release_request
-from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix, split_worker
+from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix
 from vertumnus_jax.recarve_parts import split_worker_into
 
 _log = logging.getLogger(__name__)
@@ -257,10 +257,7 @@ class LiveBackend:
                     self._post(lambda: self._give_up(rec.epoch))
                     return
                 try:
-                    if rec.kind == "split" and len(meshes) == 2:
-                        a, b, _ = split_worker(olds[0], tuple(meshes), replicas=self.replicas)
-                        workers = (a, b)
-                    elif rec.kind == "split":  # (into more parts in one re-carve)
+                    if rec.kind == "split":  # (halves, or more parts in one re-carve)
                         workers, _ = split_worker_into(olds[0], meshes, replicas=self.replicas)
                     else:
                         merged, _ = merge_workers(olds[0], olds[1], meshes[0],

@@ -91,11 +91,7 @@ class SplitMerge:
             self.prefix_index.register_worker(spec.worker_id, spec.cp_degree)
             self.prefix_index.insert(spec.worker_id, cached_blocks.get(spec.worker_id, ()))
         self.reconfig.record(rec, now, self.composition)
-        moved, waiting = self.membership.unqueue_ids(rec.displaced), list(self._pending)
-        self.membership.place_again(moved, now)
-        self._retry_pending(now)
-        for later in self.reconfig.in_progress.values():  # (they take their share when done)
-            later.displaced += tuple(r.request_id for r in moved + waiting)
+        self._place_displaced(rec, now)
         for hook in self.reconfigured_hooks:
             hook(self, now)
 
@@ -116,14 +112,18 @@ class SplitMerge:
             w = self.workers.get(wid)
             if w is not None and w.status is WorkerStatus.DRAINING:
                 w.status = WorkerStatus.ACTIVE
-        # as `finish_reconfiguration`: what the change displaced is placed again (its old
-        # workers included), and the changes still in progress take their share when done
+        self._place_displaced(rec, now)  # (its old workers included)
+        return rec
+
+    def _place_displaced(self, rec: Reconfiguration, now: float) -> None:
+        """A change ended (made or given up): the requests it displaced that still wait in a
+        queue are placed again, then those that waited for a worker; both count as displaced
+        by the changes still in progress, placed again when each ends."""
         moved, waiting = self.membership.unqueue_ids(rec.displaced), list(self._pending)
         self.membership.place_again(moved, now)
         self._retry_pending(now)
         for later in self.reconfig.in_progress.values():
             later.displaced += tuple(r.request_id for r in moved + waiting)
-        return rec
 
     def _recarve_drained(self, worker: WorkerState, now: float) -> None:
         """A draining worker went idle: re-carves each change of it whose old workers all are."""
