@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.block_sizes import BlockSizes, next_pow2
+from pallas_kernels.block_sizes import BlockSizes, default_num_warps, next_pow2
 from pallas_kernels.reference import attention_reference, check_attention_inputs, check_sm_scale
 
 __all__ = ["BlockSizes", "attention_reference", "flash_attention", "merge_attention_states"]
@@ -42,6 +42,10 @@ except ImportError:  # pragma: no cover - only on jax builds without the Triton 
     plgpu = None
 
 _LOG2_E = math.log2(math.e)
+# Both dots at HIGHEST: float32 inputs get full float32 products (Triton's IEEE input precision;
+# DEFAULT would be TF32 on a GPU, ~1e-3 relative, seen on an H200); bf16 / f16 inputs are
+# unchanged (their products are exact in the f32 accumulator).
+_PRECISION = lax.Precision.HIGHEST
 _LN_2 = math.log(2.0)
 _NO_KEY = np.iinfo(np.int32).max  # key-block min/max sentinel: "no valid key" / "has padding"
 
@@ -97,7 +101,8 @@ def _flash_attention_kernel(
         k = k_ref[pl.ds(start, block_k), :]  # [block_k, head_dim]
         v = v_ref[pl.ds(start, block_k), :]  # [block_k, head_dim]
         s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q, k, (((1,), (1,)), ((), ())), precision=_PRECISION,
+            preferred_element_type=jnp.float32,
         )  # [block_q, block_k]
         s = s * qk_scale
         if masked:
@@ -115,7 +120,8 @@ def _flash_attention_kernel(
         p = jnp.exp2(s - m_next_safe[:, None])  # [block_q, block_k]
         l_next = alpha * l_prev + p.sum(axis=-1)
         pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION,
+            preferred_element_type=jnp.float32,
         )  # [block_q, head_dim]
         return alpha[:, None] * acc + pv, m_next, l_next
 
@@ -172,7 +178,7 @@ def _flash_attention_call(
         aliases = {len(args) - 2: 0, len(args) - 1: 1}
     compiler_params = None
     if not interpret and plgpu is not None:
-        num_warps = block_sizes.num_warps or (4 if head_dim <= 64 else 8)
+        num_warps = block_sizes.num_warps or default_num_warps(block_q, block_k)
         compiler_params = plgpu.CompilerParams(
             num_warps=num_warps, num_stages=block_sizes.num_stages
         )
