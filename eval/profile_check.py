@@ -33,11 +33,7 @@ from serving.policy.profiles import (
     read_profile_csv,
 )
 
-_CSV = flags.DEFINE_string("profile_csv", None, "Measured profile CSV (cp,input_len,"
-                           "cached_len,seconds).", required=True)
-_GPU = flags.DEFINE_enum("gpu", "h200", sorted(GPUS), "GPU of the analytic profile.")
-_MODEL = flags.DEFINE_enum("model", "qwen3-8b", sorted(MODELS), "Model of the analytic profile.")
-_OUTPUT = flags.DEFINE_string("output", "out/profile_check.json", "JSON path.")
+F = flags.FLAGS  # flags defined only when run as a script (`_define_flags`)
 
 # Cached-fraction buckets of the summary (lower edges).
 BUCKETS = (0.0, 0.25, 0.75, 0.95)
@@ -106,8 +102,17 @@ def run(profile_csv: str, gpu: str, model: str, output: str) -> dict:
 
 def main(argv):
     del argv
-    run(_CSV.value, _GPU.value, _MODEL.value, _OUTPUT.value)
+    run(F.profile_csv, F.gpu, F.model, F.output)
+
+
+def _define_flags():
+    flags.DEFINE_string("profile_csv", None, "Measured profile CSV (cp,input_len,cached_len,"
+                        "seconds).", required=True)
+    flags.DEFINE_enum("gpu", "h200", sorted(GPUS), "GPU of the analytic profile.")
+    flags.DEFINE_enum("model", "qwen3-8b", sorted(MODELS), "Model of the analytic profile.")
+    flags.DEFINE_string("output", "out/profile_check.json", "JSON path.")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
