@@ -12,8 +12,10 @@ Usage:
       --gpu=h200 --model=qwen3-8b --output=out/profile_check.json
 
 Ratio = analytic / measured (below 1: the model predicts the prefill faster than it ran).
-Fit error = |T_fit - T| / T over the rows, mean and max, per CP degree (`fit_error`). Prints
-tables; writes JSON (`--output`). Raises ValueError (via `read_profile_csv`) for a malformed CSV.
+Fit error = |T_fit - T| / T over the rows, mean and max, per CP degree (`fit_error`); a table
+the closed form cannot be fitted to (fewer than 4 distinct rows of a degree) gets its reason
+instead, after the row and bucket tables. Prints tables; writes JSON (`--output`). Raises
+ValueError for a malformed CSV (`read_profile_csv`) or an unknown gpu / model.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ BUCKETS = (0.0, 0.25, 0.75, 0.95)
 def compare(measured: ProfileTable, gpu: str, model: str) -> dict:
     """Row-by-row comparison of `measured` with the analytic profile of (gpu, model).
 
-    Returns {"rows": [{cp, input_len, cached_len, measured_s, analytic_s, ratio}],
-    "buckets": [{from_fraction, rows, ratio_min, ratio_median, ratio_max}], "fit": {"measured":
-    {cp: (mean, max)}, "analytic": {cp: (mean, max)}}} with the analytic table built on the
-    measured table's (cp, input_len, cached_len) grid."""
+    Returns {"rows": [{cp, input_len, cached_len, measured_s, analytic_s, ratio}] (seconds;
+    ratio = analytic / measured), "buckets": [{from_fraction, rows, ratio_min, ratio_median,
+    ratio_max}] (rows whose cached_len / input_len is at least `from_fraction` and below the
+    next edge of `BUCKETS`), "fit": {"measured": {cp: [mean, max]} or {"error": reason},
+    "analytic": likewise}} (relative errors), the analytic table built on the measured
+    table's (cp, input_len, cached_len) grid. Raises ValueError for a gpu or model
+    `analytic_prefill_seconds` does not know."""
     rows = []
     analytic = []
     for cp, L, h, s in zip(measured.cp, measured.input_len, measured.cached_len,
@@ -66,9 +71,13 @@ def compare(measured: ProfileTable, gpu: str, model: str) -> dict:
                             "ratio_max": float(sel.max())})
     analytic_table = ProfileTable(measured.cp, measured.input_len, measured.cached_len,
                                   np.asarray(analytic))
-    fit = {name: {int(c): [float(e) for e in err]
-                  for c, err in PrefillCostModel.fit(table).fit_error().items()}
-           for name, table in (("measured", measured), ("analytic", analytic_table))}
+    fit = {}
+    for name, table in (("measured", measured), ("analytic", analytic_table)):
+        try:
+            fit[name] = {int(c): [float(e) for e in err]
+                         for c, err in PrefillCostModel.fit(table).fit_error().items()}
+        except ValueError as err:  # too few distinct rows of a degree: the tables still stand
+            fit[name] = {"error": str(err)}
     return {"rows": rows, "buckets": buckets, "fit": fit}
 
 
@@ -90,6 +99,9 @@ def run(profile_csv: str, gpu: str, model: str, output: str) -> dict:
               f"| {b['ratio_median']:.2f} | {b['ratio_max']:.2f} |")
     print("\nrouter cost model (PrefillCostModel.fit), relative fit error mean / max:")
     for name, per_cp in result["fit"].items():
+        if "error" in per_cp:
+            print(f"  {name:<9} not fitted: {per_cp['error']}")
+            continue
         for c, (mean, mx) in per_cp.items():
             print(f"  {name:<9} CP-{c}: {mean:.1%} / {mx:.1%}")
     result.update(profile_csv=profile_csv, gpu=gpu, model=model)

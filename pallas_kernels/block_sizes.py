@@ -19,13 +19,19 @@ def next_pow2(n: int) -> int:
 
 
 def default_num_warps(block_q: int, block_k: int) -> int:
-    """Triton warps for a `block_q x block_k` tile when `BlockSizes.num_warps` is None.
+    """Triton warps for a `block_q x block_k` tile (tokens x tokens) when
+    `BlockSizes.num_warps` is None.
 
     8 for tiles of 128 x 128 or more, else 4: the H200 sweep of `pallas_kernels.tune`
     (jax 0.11.2, bf16, Qwen3-8B heads, head_dim 128; pallas_kernels/results/tune_h200.md) ran
     128 x 64 tiles at 406 TFLOP/s with 4 warps and 316 with 8 (causal 16K), and 128 x 128 tiles
-    at 384 with 8 warps and 226 with 4.
+    at 384 with 8 warps and 226 with 4. Measured only for block_q in {64, 128}, block_k in
+    {32, 64, 128} at head_dim 128; other tiles (256 x 64, other head_dims) get the tile-area
+    rule unmeasured. Raises ValueError for a block size below 1.
     """
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"default_num_warps: block_q and block_k must be >= 1, got "
+                         f"{block_q}, {block_k}")
     return 8 if block_q * block_k >= 128 * 128 else 4
 
 

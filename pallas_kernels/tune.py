@@ -1,6 +1,8 @@
 """Block-size sweep of `flash_attention` on one GPU: which `BlockSizes` is fastest per case.
 
-Usage (on a GPU; `--dry_run` runs the same code on a CPU in interpret mode at tiny shapes):
+Usage (on a GPU; `--dry_run` runs the same code at tiny shapes and a tiny grid; on a CPU every
+run is in interpret mode, where the default 16K cases would take hours: use `--dry_run` or
+small `--causal` / `--prefix` / `--heads` there):
   python -m pallas_kernels.tune --output=pallas_kernels/results/tune_h200.json
   python -m pallas_kernels.tune --dry_run --output=/tmp/tune.json
 
@@ -14,7 +16,11 @@ refuses (shared memory, registers) is recorded with its error. Each configuratio
 does. cuDNN's `jax.nn.dot_product_attention` (`is_causal` for a causal case, the mask after a
 cache, as `bench`) is timed once per case as the yardstick (`ratio` = kernel time / cuDNN
 time). `--budget_s` is checked before every configuration: what is not started is recorded as
-skipped. Prints a table per case (fastest first) and writes JSON after every case.
+skipped (the configuration running then and each case's cuDNN call still finish). Rows record
+the requested tiles; the kernel clips them to the padded sequence, so on short cases two rows
+can run the same tiles. Prints a table per case (fastest first) and writes JSON after every
+case. Flags are checked before anything runs (`cases_from_flags`, `heads_from_flag`,
+`grid_from_flags`; a bad one is a usage error naming it).
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ F = flags.FLAGS
 
 
 def median_ms(fn, args, iters: int, warmup: int) -> tuple[float, float]:
-    """(first call incl. compile, median of `iters` timed calls), in ms, after `warmup` calls."""
+    """(first call incl. compile, median of `iters` timed calls), in ms, after `warmup` calls.
+
+    Raises ValueError for `iters` < 1 or `warmup` < 0."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, "
+                         f"warmup={warmup}")
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
@@ -131,24 +142,74 @@ def print_case(case: dict, default: BlockSizes) -> None:
         print(f"   {len(skipped)} configurations skipped (budget spent)")
 
 
+def _ints(name: str, values, low: int = 1) -> list[int]:
+    """`values` (a list flag's strings) as ints >= `low`; ValueError naming `--name` if not."""
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"--{name} takes integers, got {','.join(values)!r}") from None
+    if not out or min(out) < low:
+        raise ValueError(f"--{name} takes one or more integers >= {low}, got {out}")
+    return out
+
+
+def cases_from_flags(causal, prefix) -> list[tuple[str, int, int]]:
+    """(name, new, cached) per case of `--causal` (N >= 1) and `--prefix` (NEW+CACHED, NEW >= 1,
+    CACHED >= 0). Raises ValueError naming the flag for a malformed entry or no case at all."""
+    cases = [(f"causal {n}", n, 0) for n in (_ints("causal", causal) if causal else [])]
+    for spec in prefix:
+        parts = spec.split("+")
+        try:
+            new, cached = (int(x) for x in parts) if len(parts) == 2 else (0, -1)
+        except ValueError:
+            new, cached = 0, -1
+        if new < 1 or cached < 0:
+            raise ValueError(f"--prefix entries are NEW+CACHED with NEW >= 1 and CACHED >= 0, "
+                             f"got {spec!r}")
+        cases.append((f"prefix {new}+{cached}", new, cached))
+    if not cases:
+        raise ValueError("--causal and --prefix are both empty: no case to time")
+    return cases
+
+
+def heads_from_flag(values) -> tuple[int, int, int]:
+    """`--heads` as (query heads, KV heads, head_dim): three integers >= 1, the query heads a
+    multiple of the KV heads (GQA). Raises ValueError naming the flag otherwise."""
+    heads = _ints("heads", values)
+    if len(heads) != 3 or heads[0] % heads[1]:
+        raise ValueError(f"--heads is QUERY_HEADS,KV_HEADS,HEAD_DIM with the query heads a "
+                         f"multiple of the KV heads, got {heads}")
+    return tuple(heads)
+
+
+def grid_from_flags(block_q, block_k, num_warps, num_stages) -> list[BlockSizes]:
+    """Every (block_q, block_k, num_warps, num_stages) of the four list flags, in that order.
+    Raises ValueError naming the flag (or `BlockSizes`' own: a block size that is not a power
+    of two >= 16, warps outside [1, 32])."""
+    values = [_ints(name, v) for name, v in (("block_q", block_q), ("block_k", block_k),
+                                              ("num_warps", num_warps),
+                                              ("num_stages", num_stages))]
+    return [BlockSizes(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+            for bq, bk, w, s in itertools.product(*values)]
+
+
 def main(argv):
     del argv
     t0 = time.monotonic()
-    dry = F.dry_run
     interpret = jax.default_backend() == "cpu"
-    heads = tuple(int(h) for h in F.heads)
-    if dry:
-        cases = [("causal 256", 256, 0), ("prefix 128+256", 128, 256)]
-        heads, grid_values = (4, 2, 64), ([64, 128], [64], [4], [2])
-    else:
-        cases = [(f"causal {n}", int(n), 0) for n in F.causal]
-        for spec in F.prefix:
-            new, cached = (int(x) for x in spec.split("+"))
-            cases.append((f"prefix {new}+{cached}", new, cached))
-        grid_values = tuple([int(x) for x in values] for values in (
-            F.block_q, F.block_k, F.num_warps, F.num_stages))
-    grid = [BlockSizes(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
-            for bq, bk, w, s in itertools.product(*grid_values)]
+    try:
+        if F.iters < 1 or F.warmup < 0:
+            raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {F.iters}, "
+                             f"{F.warmup}")
+        if F.dry_run:
+            cases = [("causal 256", 256, 0), ("prefix 128+256", 128, 256)]
+            heads, grid = (4, 2, 64), grid_from_flags([64, 128], [64], [4], [2])
+        else:
+            cases = cases_from_flags(F.causal, F.prefix)
+            heads = heads_from_flag(F.heads)
+            grid = grid_from_flags(F.block_q, F.block_k, F.num_warps, F.num_stages)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from None
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {len(grid)} configurations"
           f" x {len(cases)} cases, budget {F.budget_s:.0f} s", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -179,7 +240,8 @@ def _define_flags():
     flags.DEFINE_integer("iters", 10, "Timed calls per configuration (median).")
     flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
     flags.DEFINE_float("budget_s", 240.0, "No configuration starts after this many s.")
-    flags.DEFINE_boolean("dry_run", False, "CPU interpret mode, tiny shapes and grid.")
+    flags.DEFINE_boolean("dry_run", False, "Tiny shapes and grid (any backend; on a CPU every "
+                         "run is in interpret mode).")
     flags.DEFINE_string("output", "out/tune_flash_attention.json", "JSON path.")
 
 

@@ -51,3 +51,15 @@ def test_main_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 6 and data["model"] == "qwen3-8b"
     assert sorted(round(r["ratio"], 6) for r in data["rows"]) == [0.5] * 3 + [1.0] * 3
+
+
+def test_a_table_too_small_to_fit_still_gets_its_rows_compared(tmp_path):
+    # Three CP-1 rows (the closed form needs 4 distinct ones): rows and buckets as usual, the
+    # fit's reason instead of its errors, on both sides.
+    table = _table({0.0: 2.0})
+    result = profile_check.compare(table, "h200", "qwen3-8b")
+    assert [round(r["ratio"], 9) for r in result["rows"]] == [0.5] * 3
+    assert "at least 4" in result["fit"]["measured"]["error"]
+    assert "at least 4" in result["fit"]["analytic"]["error"]
+    with pytest.raises(ValueError):
+        profile_check.compare(table, "h200", "no-such-model")

@@ -1,8 +1,11 @@
 """`pallas_kernels.tune`: the sweep's FLOP count, rows and budget, in interpret mode on a CPU."""
 
+import subprocess
+import sys
 import time
 
 import numpy as np
+import pytest
 
 from pallas_kernels import tune
 from pallas_kernels.bench import causal_pairs
@@ -36,3 +39,36 @@ def test_spent_budget_skips_every_tiling():
                            interpret=True, iters=1, warmup=0)
     assert case["rows"] == [{"block_q": 32, "block_k": 32, "num_warps": None, "num_stages": 2,
                              "skipped": "budget spent"}]
+
+
+def test_flags_are_checked_before_anything_runs():
+    assert tune.cases_from_flags(["64"], ["16+32"]) == [("causal 64", 64, 0),
+                                                        ("prefix 16+32", 16, 32)]
+    bad = [((["64"], ["64+-8"]), "--prefix entries are NEW\\+CACHED"),
+           (([], ["4096"]), "--prefix entries"), (([], ["0+16"]), "--prefix entries"),
+           (([], []), "both empty"), ((["0"], []), "--causal takes one or more integers >= 1"),
+           ((["x"], []), "--causal takes integers")]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tune.cases_from_flags(*args)
+    assert tune.heads_from_flag(["32", "8", "128"]) == (32, 8, 128)
+    for heads in (["32", "8"], ["3", "2", "16"], ["32", "0", "128"]):
+        with pytest.raises(ValueError, match="--heads"):
+            tune.heads_from_flag(heads)
+    grid = tune.grid_from_flags(["64"], ["32", "64"], ["4"], ["2", "3"])
+    assert [(b.block_k, b.num_stages) for b in grid] == [(32, 2), (32, 3), (64, 2), (64, 3)]
+    with pytest.raises(ValueError, match="--block_q takes integers"):
+        tune.grid_from_flags(["abc"], ["32"], ["4"], ["2"])
+    with pytest.raises(ValueError, match="power of two"):
+        tune.grid_from_flags(["48"], ["32"], ["4"], ["2"])
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        tune.median_ms(lambda: 0, (), iters=0, warmup=0)
+
+
+def test_a_bad_flag_is_a_usage_error_before_any_timing(tmp_path):
+    out = tmp_path / "t.json"
+    run = subprocess.run([sys.executable, "-m", "pallas_kernels.tune", "--causal=",
+                          "--prefix=4096", f"--output={out}"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and "--prefix entries are NEW+CACHED" in run.stderr, run.stderr
+    assert not out.exists() and "wrote" not in run.stdout
