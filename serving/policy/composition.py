@@ -32,12 +32,12 @@ for about a second while an overloaded queue grows by the second), and the rule 
 load plus the backlog to clear by the next regular evaluation (`pool_backlog / interval_s`, logged)
 is above 1 (a step with the load at most 1 must lower it), its later steps not held to staying's
 prediction (the window holds a step's drain, not the growth it stops; a pool at exactly its
-capacity never clears what queued before). The splits that bring the load itself to 1 are
-made with each step, their drains overlapping (`composition_changes.further_splits`, logged
-`and split ...`), halves of a worker split again where that lowers the load most: each worker
-is re-carved once, into the parts its halvings make (`CompositionConfig.deep_splits`; logged
-`made into [2, 2, 4]`): from CP-8 to CP-1 one re-carve, not three, each taking the worker out
-for `recarve_s`. Where the window's requests found no cached prefix, a pool just above its
+capacity never clears what queued before). Each step is made with the splits that bring that
+sum to 1 (the load alone where the backlog does not count), their drains overlapping
+(`composition_changes.further_splits`, logged `and split ...`), halves of a worker split again
+where that lowers the load most: each worker is re-carved once, into the parts its halvings
+make (`CompositionConfig.deep_splits`; logged `made into [2, 2, 4]`): CP-8 to CP-1 in one
+re-carve, not three. Where the window's requests found no cached prefix, a pool just above its
 capacity is not left with what queued: once the load is above 1 the backlog to clear counts in
 the rule's start too, and a change the full comparison (below) makes while the load is above
 1, if it lowers it, goes on the same way (no `cooldown_s` after it: in one, only the overload
@@ -334,7 +334,7 @@ class CompositionController:
                 ops = []
                 for k, (olds, parts, after) in enumerate(further_splits(  # (module doc)
                         active, best[2], best[3], best[4], window, elapsed, now, set(degrees),
-                        cfg, self.longest, self.max_input_len)):
+                        cfg, self.longest, self.max_input_len, clear)):
                     ops.append(change_op(scheduler, olds, self.max_input_len, parts))
                     into = f" into {parts}" if len(parts) > 2 else ""
                     if k == 0:  # the step as judged, then the parts it is made into

@@ -53,19 +53,23 @@ def candidate_changes(active: Sequence[WorkerState], now: float, known: Collecti
 def further_splits(active: Sequence[WorkerState], first: Sequence[WorkerState],
                    added: Sequence[int], load: float, window: Window, elapsed: float | None,
                    now: float, known: Collection[int], config: CompositionConfig,
-                   longest: int, max_input_len: Callable[[int], int]
+                   longest: int, max_input_len: Callable[[int], int], clear: float = 0.0
                    ) -> list[tuple[list[WorkerState], list[int], float]]:
     """The changes an overload's step is made as (`serving.policy.composition`), so their
     drains overlap and each worker is re-carved once: after the step replacing `first` by
-    workers of degrees `added` (the window's `pool_load` then `load`), while the load is above
-    1, the halving that lowers it most, of a worker of `active` not yet changed
-    (`candidate_changes`) or of a part a planned split makes (per planned worker and degree, its
-    first such part), if one does. A worker's planned halvings are one change into the parts
-    they make (`serving.policy.worker.split_parts`): one drain and one re-carve, not one per
-    halving (from CP-8 to CP-1 that is one second of re-carving, not three). Only what brings
-    the load itself to 1 is planned; the splits that would clear a backlog beyond it come one
-    after another, each on a fresh window (made at once, they split a burst's pool down to
-    CP-1). A halving that would leave no worker able to hold `longest` tokens is not made;
+    workers of degrees `added` (the window's `pool_load` then `load`), while the load plus
+    `clear` (the backlog to clear by the next evaluation, as a share of capacity; 0 where the
+    rule does not count it) is above 1, the halving that lowers the load most, of a worker of
+    `active` not yet changed (`candidate_changes`) or of a part a planned split makes (per
+    planned worker and degree, its first such part), if one does. A worker's planned halvings
+    are one change into the parts they make (`serving.policy.worker.split_parts`): one drain
+    and one re-carve, not one per halving (from CP-8 to CP-1 one second of re-carving, not
+    three). The plan stops
+    about where the rule would stop after the step (load + clear at most 1; `clear` as measured
+    before it, at the old degrees, where the same backlog is a little more work), so the splits
+    it would make one re-carve after another come in this one (planned to the load alone, the
+    90 req/s case of the issue took five re-carve rounds, 5 s, to reach CP-1; eval/RESULTS.md
+    item 24). A halving that would leave no worker able to hold `longest` tokens is not made;
     without `config.deep_splits` no part is halved (two halves a change).
 
     Returns:
@@ -76,7 +80,7 @@ def further_splits(active: Sequence[WorkerState], first: Sequence[WorkerState],
     plan: dict[int, list] = {first[0].worker_id: [list(first), list(added), load]}
     merge_step = len(first) != 1 or len(added) < 2  # (its worker stays whole)
     used = list(first)
-    while load > 1.0:
+    while load + clear > 1.0:
         rest = [w for w in active if w not in used]
         parts = {wid: p[1] for wid, p in plan.items()}
         held = [c for ps in parts.values() for c in ps] + [w.cp_degree for w in rest]

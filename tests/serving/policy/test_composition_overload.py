@@ -3,6 +3,8 @@ while the load is above 1 even where the window predicts a step a little worse t
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -36,8 +38,11 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
     # not the queue growth it stops), from the second step on or from the first. Started, the
     # rule goes on splitting while the load is above 1; it starts only on a step predicted no
     # worse than staying.
+    # (halves only: with `deep_splits` the first step reaches CP-1 at once, leaving no later
+    # step to check)
     ctl = CompositionController(CompositionConfig(interval_s=5.0, cooldown_s=5.0, min_degree=1,
-                                                  max_degree=8), lambda c: 100_000)
+                                                  max_degree=8, deep_splits=False),
+                                lambda c: 100_000)
     handle, stay = [], [0.0]
     real = composition.replay_ttft
 
@@ -71,7 +76,8 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     # [8, 8] serve about 68 2K-token prompts a second; the window holds 55 a second (load
     # about 0.8). Started, the overload rule goes on while the load plus the backlog to clear
     # by the next evaluation (`pool_backlog / interval_s`) is above 1: 600 prompts queued (about
-    # 8.8 s of each worker's time, 0.29 of a 30 s interval) keep it splitting; none stops it.
+    # 8.8 s of each worker's time, 0.29 of a 30 s interval) keep it splitting, and its step
+    # plans the splits that bring that sum to 1 at once; none stops it.
     cfg = CompositionConfig(min_degree=1, max_degree=8)
     s = _queued(queued)
     backlog = pool_backlog(s.workers.values(), 0.0)
@@ -84,8 +90,14 @@ def test_a_started_overload_goes_on_until_the_backlog_clears_by_the_next_evaluat
     assert dict(figures)["load (work / capacity) staying"] == pytest.approx(load, rel=0.02)
     if queued:
         assert urgent and op[0][0] == "split" and "(load " in figures[1][0], figures
-        # (the load after the step is below 1: the backlog alone makes no further split)
-        assert len(op) == 1 and not any(label.startswith("and split") for label, _ in figures)
+        # the load alone (below 1 after the first change) would end the plan there; with the
+        # backlog it goes on until the load plus the backlog to clear is at most 1 (the labels
+        # give each change's load once its parts were planned: the least is where it ended)
+        clear = backlog / cfg.interval_s
+        planned = [float(x) for x in re.findall(r"\(load ([\d.]+)\)", " ".join(
+            label for label, _ in figures[1:1 + len(op)]))]
+        assert planned[0] < 1.0 < planned[0] + clear and len(planned) > 1, (planned, clear)
+        assert min(planned) + clear <= 1.005, (planned, clear)
     else:
         assert not urgent and all("(load " not in label for label, _ in figures), figures
 
@@ -166,6 +178,34 @@ def test_an_overload_step_is_made_with_the_splits_that_bring_the_load_to_1():
         made = f", made into [2, 2, 4] (load {after_parts:.2f})" if deep else ""
         assert figures[1][0] == f"split [0] (load {after_one:.2f}){made}", figures
         assert figures[2][0] == f"and split [1] (load {after_both:.2f})", figures
+
+
+def test_an_overload_step_plans_the_splits_that_also_clear_the_backlog():
+    # The same window with 200 prompts queued (about 0.1 of a 30 s interval of both workers'
+    # time, `clear`): the step plans halvings until the load plus `clear` is at most 1, the
+    # criterion the rule goes on with after the step, so the splits it would make one re-carve
+    # after another are made in this one. Halving any CP-4 part adds the same capacity, and a
+    # tie goes to the first planned worker's first part: [2, 2, 4] -> [2, 2, 2, 2], then the
+    # second worker's [4, 4] -> [2, 2, 4] -> [2, 2, 2, 2].
+    t2, t4, t8 = (COST.predict(c, 2000, 0) for c in (2, 4, 8))
+    n, rate = 1720, 86.0
+    per_s = rate * n / (n - 1)
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    s = _queued(200)
+    clear = pool_backlog(s.workers.values(), 0.0) / cfg.interval_s
+    plans = [([2, 2, 4], [4, 4]), ([2, 2, 2, 2], [4, 4]), ([2, 2, 2, 2], [2, 2, 4]),
+             ([2, 2, 2, 2], [2, 2, 2, 2])]
+    loads = [per_s / sum(1 / {2: t2, 4: t4}[c] for c in a + b) for a, b in plans]
+    assert loads[0] <= 1.0 < loads[0] + clear  # (without the backlog the plan stops here)
+    k = next(i for i, load in enumerate(loads) if load + clear <= 1.0)
+    assert k >= 1
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 0) for i in range(n)])
+    assert urgent and [(o[0], o[1]) for o in op] == [("split", [0]), ("split", [1])], figures
+    parts = [[sp.cp_degree for sp in o[2]] for o in op]
+    assert parts == list(plans[k]), figures
+    assert dict(figures)["backlog to clear by the next evaluation / capacity"] == (
+        pytest.approx(clear))
 
 
 def test_a_refused_further_split_leaves_the_step_made_and_says_so():
