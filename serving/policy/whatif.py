@@ -31,6 +31,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+from serving.policy.composition_search import EXHAUSTIVE_LIMIT, count_compositions, pattern_search
 from serving.policy.controller import compositions
 
 # One sampled request: (arrival time in s, input tokens, cached tokens).
@@ -186,7 +187,7 @@ def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sampl
 
 
 def target_composition(current: Sequence[int], spread: float, window: Window, lam: float,
-                       degrees: Sequence[int], need: int
+                       degrees: Sequence[int], need: int, exhaustive_limit: int = EXHAUSTIVE_LIMIT
                        ) -> tuple[tuple[int, ...], float, float, float]:
     """The best composition of the pool's GPUs when every worker of each one starts with the
     pool's backlog (the composition controller's comparison "on equal terms").
@@ -200,17 +201,27 @@ def target_composition(current: Sequence[int], spread: float, window: Window, la
       degrees: the degrees a composition may use.
       need: the smallest largest degree a composition must have (a worker for the longest
         prompt).
+      exhaustive_limit: the most compositions replayed one by one; a pool with more is searched.
 
     Returns:
       `(composition, its predicted mean TTFT, the current one's, the backlog)`: TTFTs in
       seconds with every worker starting at the backlog `B` (outstanding GPU-seconds per GPU);
       the last figure is what every composition pays alike, each request's wait for `B` to
-      clear (mean over the window, s). The current composition when none is faster.
+      clear (mean over the window, s). The current composition when none is faster. Every
+      composition is replayed up to `exhaustive_limit` of them; a larger pool's are searched
+      (`composition_search.pattern_search`: the best found, not proven the best).
     """
     gpus = sum(current)
     backlog = sum(max(spread - t, 0.0) for t in window.arrivals) / len(window.arrivals)
     now = sorted(current)
     now_ttft, _ = replay_ttft(now, window, lam, [spread] * len(now))
+    if count_compositions(gpus, degrees) > exhaustive_limit:  # a large pool: search
+        def ttft(comp):
+            t, unheld = replay_ttft(comp, window, lam, [spread] * len(comp))
+            return math.inf if unheld else t
+        found, comp = pattern_search(now, degrees, need, ttft)
+        return (comp, found, now_ttft, backlog) if found < now_ttft else (
+            tuple(now), now_ttft, now_ttft, backlog)
     best = (now_ttft, tuple(now))
     for comp in compositions(gpus, degrees):
         if max(comp) < need:
