@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
+from pallas_kernels.timing import median_ms
 
 _SIZES = flags.DEFINE_list("sizes", None, "Total tokens N per case; default 4096,16384,32768,"
                            "65536 on GPU and 512 on CPU.")
@@ -60,15 +60,7 @@ def causal_pairs(q_positions: np.ndarray, kv_positions: np.ndarray) -> int:
 
 def _time_ms(fn, args, iters: int, warmup: int) -> float:
     """Median wall time of `fn(*args)` in milliseconds, after compilation and warm-up."""
-    jax.block_until_ready(fn(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return median_ms(fn, args, iters, warmup)[1]
 
 
 def _block_sizes(backend: str) -> BlockSizes:

@@ -38,30 +38,11 @@ from absl import app, flags
 
 from pallas_kernels.block_sizes import BlockSizes, default_num_warps
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.timing import median_ms
 
 # Flags are defined only when run as a script (`_define_flags`), so importing this module next
 # to `bench` (whose flags share names) defines nothing.
 F = flags.FLAGS
-
-
-def median_ms(fn, args, iters: int, warmup: int) -> tuple[float, float]:
-    """(first call incl. compile, median of `iters` timed calls), in ms, after `warmup` calls.
-
-    Raises ValueError for `iters` < 1 or `warmup` < 0."""
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, "
-                         f"warmup={warmup}")
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * first, 1e3 * float(np.median(times))
 
 
 def make_case(new: int, cached: int, heads: tuple[int, int, int], seed: int):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pallas_kernels import tune
+from pallas_kernels import timing, tune
 from pallas_kernels.bench import causal_pairs
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.reference import attention_reference
@@ -62,7 +62,7 @@ def test_flags_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match="power of two"):
         tune.grid_from_flags(["48"], ["32"], ["4"], ["2"])
     with pytest.raises(ValueError, match="iters must be >= 1"):
-        tune.median_ms(lambda: 0, (), iters=0, warmup=0)
+        timing.median_ms(lambda: 0, (), iters=0, warmup=0)
 
 
 def test_a_bad_flag_is_a_usage_error_before_any_timing(tmp_path):
