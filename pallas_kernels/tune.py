@@ -1,8 +1,8 @@
 """Block-size sweep of `flash_attention` on one GPU: which `BlockSizes` is fastest per case.
 
 Usage (on a GPU; `--dry_run` runs the same code at tiny shapes and a tiny grid; on a CPU every
-run is in interpret mode, where the default 16K cases would take hours: use `--dry_run` or
-small `--causal` / `--prefix` / `--heads` there):
+run is in interpret mode, where the default 16K cases would take hours: there cases above
+1,024 tokens are refused, use `--dry_run` or small `--causal` / `--prefix`):
   python -m pallas_kernels.tune --output=pallas_kernels/results/tune_h200.json
   python -m pallas_kernels.tune --dry_run --output=/tmp/tune.json
 
@@ -43,6 +43,9 @@ from pallas_kernels.timing import median_ms
 # Flags are defined only when run as a script (`_define_flags`), so importing this module next
 # to `bench` (whose flags share names) defines nothing.
 F = flags.FLAGS
+# Without a GPU (interpret mode) longer cases are refused: the default 16K case ran for over 7
+# minutes on one configuration of 36 on the 2-core VM.
+_CPU_MAX_TOKENS = 1024
 
 
 def make_case(new: int, cached: int, heads: tuple[int, int, int], seed: int):
@@ -187,6 +190,10 @@ def main(argv):
             heads, grid = (4, 2, 64), grid_from_flags([64, 128], [64], [4], [2])
         else:
             cases = cases_from_flags(F.causal, F.prefix)
+            if interpret and max(n + h for _, n, h in cases) > _CPU_MAX_TOKENS:
+                raise ValueError(f"no GPU: in interpret mode cases above {_CPU_MAX_TOKENS} "
+                                 f"tokens take hours; use --dry_run, or --causal / --prefix "
+                                 f"of at most {_CPU_MAX_TOKENS} tokens on a CPU")
             heads = heads_from_flag(F.heads)
             grid = grid_from_flags(F.block_q, F.block_k, F.num_warps, F.num_stages)
     except ValueError as err:

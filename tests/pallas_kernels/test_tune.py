@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -72,3 +73,10 @@ def test_a_bad_flag_is_a_usage_error_before_any_timing(tmp_path):
                          timeout=120)
     assert run.returncode != 0 and "--prefix entries are NEW+CACHED" in run.stderr, run.stderr
     assert not out.exists() and "wrote" not in run.stdout
+    # the defaults (16K tokens) on a CPU: refused, not hours of interpret mode
+    if jax.default_backend() != "cpu":
+        return  # (on a GPU the defaults run the sweep)
+    run = subprocess.run([sys.executable, "-m", "pallas_kernels.tune", f"--output={out}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "no GPU: in interpret mode cases above 1024" in run.stderr
+    assert not out.exists()
