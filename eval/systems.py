@@ -47,6 +47,7 @@ from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCa
                                StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.policy.cache_manager import CacheManagerConfig, PrefixCacheManager
 from serving.policy.composition import CompositionConfig, CompositionController
+from serving.policy.composition_search import EXHAUSTIVE_LIMIT, count_compositions
 from serving.policy.whatif import choose_initial
 from serving.policy.controller import (ControllerConfig, ReconfigurationController, compositions,
                                        initial_composition)
@@ -149,15 +150,18 @@ def vertumnus_system(pool: PoolConfig, controller: bool = True, cache_manager: b
         return VertumnusRouter(gpu_cost=g, **knobs)
 
     if d is not None and initial == "replay" and d.requests:
-        options = [c for c in compositions(pool.num_gpus, degrees) if max(c) >= need]
+        large = count_compositions(pool.num_gpus, degrees) > EXHAUSTIVE_LIMIT  # (searched)
+        options = [] if large else [c for c in compositions(pool.num_gpus, degrees)
+                                    if max(c) >= need]
         routers = {"cost": lambda: make_router(False, "worker"),
                    "cost-degree": lambda: make_router(False, "degree"),
                    "fetch": lambda: make_router(True, gpu_cost)}
         if fetch is not None:  # the router is given: choose the composition only
             routers = {k: v for k, v in routers.items() if (k == "fetch") == fetch}
-        if len(options) > MAX_REPLAYED:  # keep the queueing replay's best few
+        if large or len(options) > MAX_REPLAYED:  # keep the queueing replay's best few
             _, scores = choose_initial(pool.num_gpus, degrees, d.sample, pool.cost_model.predict,
                                        lam, pool.max_input_len, min_largest_degree=need)
+            options = options or [list(c) for c in scores if max(c) >= need]
             options = sorted(options, key=lambda c: scores[tuple(c)])[:MAX_REPLAYED]
         comp, chosen, scores = replay_choice(
             options, routers, d.requests, pool.workers, pool.cost_model, pool.kv_bytes_per_token,

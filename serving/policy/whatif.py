@@ -165,19 +165,41 @@ def best_composition(options: Sequence[Sequence[int]], window: Window, lam: floa
 def choose_initial(num_gpus: int, degrees: Sequence[int], sample: Sequence[Sample],
                    predict: Callable[[int, int, int], float], lam: float = 1.0,
                    max_input_len: Callable[[int], int] | None = None,
-                   min_largest_degree: int = 1
+                   min_largest_degree: int = 1, exhaustive_limit: int = EXHAUSTIVE_LIMIT
                    ) -> tuple[list[int], dict[tuple[int, ...], float]]:
     """The starting composition: of every composition of `degrees` filling `num_gpus` with a
     worker of at least `min_largest_degree`, the one of least predicted mean TTFT when `sample`
     (historical demand: `(t, L, h)` sorted by t) is replayed through it
-    (`serving.policy.whatif.best_composition`).
+    (`serving.policy.whatif.best_composition`). Above `exhaustive_limit` compositions they are
+    searched (`composition_search.pattern_search`, from the most large-degree workers that
+    fill the pool): the best found, and the figures only of those visited.
 
     Returns:
-      `(composition, {composition: predicted mean TTFT in seconds})`.
+      `(composition, {composition: predicted mean TTFT in seconds})`, every composition
+      listed, or those the search visited that hold every request of the sample (where none
+      does, every composition is listed after all).
 
     Raises:
       ValueError: no composition fills `num_gpus`, or an empty sample.
     """
+    start, left = [], num_gpus  # (the most large-degree workers: one composition, if any)
+    for c in sorted(set(degrees), reverse=True):
+        start += [c] * (left // c)
+        left %= c
+    if not left and count_compositions(num_gpus, degrees) > exhaustive_limit:
+        window = Window.of(sample, degrees, predict, max_input_len)
+        if not window.arrivals:
+            raise ValueError("window must hold at least one request")
+        scores: dict[tuple[int, ...], float] = {}
+
+        def ttft(comp):
+            t, unheld = replay_ttft(comp, window, lam)
+            if not unheld:
+                scores[tuple(comp)] = t
+            return math.inf if unheld else t
+        found, comp = pattern_search(start, degrees, min_largest_degree, ttft)
+        if math.isfinite(found):  # (else no composition visited holds every request: list)
+            return list(comp), scores
     options = [c for c in compositions(num_gpus, degrees) if max(c) >= min_largest_degree]
     if not options:
         raise ValueError(f"no composition of degrees {list(degrees)} fills num_gpus={num_gpus} "
