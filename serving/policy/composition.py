@@ -37,14 +37,15 @@ sum to 1 (the load alone where the backlog does not count), their drains overlap
 (`composition_changes.further_splits`, logged `and split ...`), halves of a worker split again
 where that lowers the load most: each worker is re-carved once, into the parts its halvings
 make (`CompositionConfig.deep_splits`; logged `made into [2, 2, 4]`): CP-8 to CP-1 in one
-re-carve, not three. Where the window's requests found no cached prefix, a pool just above its
-capacity is not left with what queued: once the load is above 1 the backlog to clear counts in
-the rule's start too, and a change the full comparison (below) makes while the load is above
-1, if it lowers it, goes on the same way (no `cooldown_s` after it: in one, only the overload
-rule acts, and the pool sat just above its capacity with seconds queued). With no cached
-prefix the replay, which gives each request its cached prefix on any worker, is exact about
-what a split costs; where contexts are reused it is not, and both rules lost there
-(eval/RESULTS.md).
+re-carve, not three. Within `reverse_after_s` of its last step the rule resumes once that sum
+is above 1, not past the margin (a load still rising then; RESULTS item 25). Where the window's
+requests found no cached prefix, a pool just above its capacity is not left with what queued:
+once the load is above 1 the backlog to clear counts in the rule's start too, and a change the
+full comparison (below) makes while the load is above 1, if it lowers it, goes on the same way
+(no `cooldown_s` after it: in one, only the overload rule acts, and the pool sat just above its
+capacity with seconds queued). With no cached prefix the replay, which gives each request its
+cached prefix on any worker, is exact about what a split costs; where contexts are reused it is
+not, and both rules lost there (eval/RESULTS.md).
 (A window a little above 1 is as often a burst the pool absorbs: split for it, large-degree
 workers lose the latency they were chosen for; measured on the comparison's Qwen3-32B cells.)
 The replay has no prefix caches, so it cannot see what a split costs in cached context (a re-carved
@@ -60,9 +61,8 @@ not lose to staying on the arrivals of the last `reverse_after_s`, replayed from
 window of a passing burst predicts a gain the arrivals after it do not give. With no candidate
 better by the margin, every composition is compared with the current one on equal terms
 (`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is
-made. Every evaluation is
-logged in `decisions`: the candidates compared and their predicted mean TTFT, whether a change was
-made and why.
+made. Every evaluation is logged in `decisions`: the candidates compared and their predicted mean
+TTFT, whether a change was made and why.
 
 A change the backend could not make (`Scheduler.abandon_reconfiguration`) stops the evaluations
 for `cooldown_s`, so a refusal is not asked for again at every tick.
@@ -72,9 +72,8 @@ worker of `max_degree` would hold), the next evaluations first make the merge ma
 worker, a step at a time with no `cooldown_s` between them, until a worker holds it (before the
 margins and `reverse_after_s`).
 
-This replaces the paper's threshold rules (`serving.policy.controller`, kept for `vertumnus-paper`),
-whose load weighed every arrival at the smallest degree (missing overload on large-degree workers)
-and which reconfigured under overload when draining costs the most. `choose_initial`
+This replaces the paper's threshold rules (`serving.policy.controller`, kept for `vertumnus-paper`:
+arrivals weighed at the smallest degree, changes under overload). `choose_initial`
 (`serving.policy.whatif`) picks the starting composition by the same replay, on historical demand.
 """
 
@@ -127,7 +126,8 @@ class CompositionController:
         # evaluate before `_next_eval` once the pool's backlog reaches this (s; module doc)
         self._replan_at: float | None = None
         self._plan_stay = 0.0  # > 0 once an evaluation predicted staying: a plan (see `tick`)
-        self._chain = False  # the last evaluation made an overload step
+        # whether the last evaluation made an overload step; when the last one was made (s)
+        self._chain, self._overload_at = False, float("-inf")
         self._made: set[int] = set()  # epochs of the changes the last one made
         self._backoff_until = -float("inf")  # no evaluation before (a change was refused)
 
@@ -144,10 +144,9 @@ class CompositionController:
             self.tick(scheduler, now)
 
     def observe(self, request: Request, cached_len: int, now: float) -> None:
-        """Records a placed request (its expected cached prefix) for the next evaluation, once:
-        a request placed again (`Scheduler.rerouting`: re-routed when its worker drained for a
-        change, or was lost) is no new arrival. A time before the last one recorded is taken as
-        that (sorted)."""
+        """Records a placed request (its expected cached prefix) for the next evaluation, once: a
+        request placed again (`Scheduler.rerouting`: its worker drained for a change, or lost)
+        is no new arrival. A time before the last one recorded is taken as that (sorted)."""
         if getattr(self._scheduler, "rerouting", False):
             return
         if self._horizon and now < self._horizon[-1][0]:
@@ -200,6 +199,7 @@ class CompositionController:
         op, figures, urgent = (*hold, True) if hold is not None else self._best(
             scheduler, now, sample, early, now - t0)
         self._chain = bool(urgent and op is not None and hold is None)
+        self._overload_at = now if self._chain else self._overload_at
         if figures is None:  # early, and the load calls for no evaluation: keep the schedule
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
@@ -281,12 +281,13 @@ class CompositionController:
         degrees = change_degrees(scheduler, active, cfg)
         window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
         load = pool_load([w.cp_degree for w in active], window, elapsed)
-        # the overload rule starts past the margin, then goes on while load + clear > 1; with no
-        # cached prefix in the window, clear counts in the start too once the load is above 1
+        # the overload rule starts past the margin, goes on (resumes, within `reverse_after_s`)
+        # while load + clear > 1; no cached prefix in the window: clear counts once load > 1
         cached = any(h for _, _, h in sample)
-        clear = pool_backlog(active, now) / cfg.interval_s if self._chain or (
+        resumed = self._chain or now - self._overload_at < cfg.reverse_after_s
+        clear = pool_backlog(active, now) / cfg.interval_s if resumed or (
             load > 1.0 and not cached) else 0.0
-        over = 1.0 if self._chain else 1.0 + cfg.min_gain
+        over = 1.0 if resumed else 1.0 + cfg.min_gain
         excess = load + clear
         quiet = early and now < self._quiet_until  # (in a cooldown only the overload rule acts)
         if early and (excess <= 1.0 or (excess <= over and quiet)):  # (module doc)

@@ -298,3 +298,24 @@ def test_a_change_the_backend_refuses_is_not_asked_for_again_before_the_cooldown
     assert len(recs) == len(reqs) and all(r.error is None for r in recs)
     assert 1 <= len(made) <= 1 + (reqs[-1].arrival_time - made[0]["time"]) // 60, made
     assert handle[0].composition == [8, 8] and handle[0].reconfig.refused
+
+
+@pytest.mark.parametrize("ago,starts", [(10.0, True), (None, False)])
+def test_an_overload_rule_that_ran_recently_resumes_above_a_load_of_1(ago, starts):
+    # A load of 1.1 with cached prefixes in the window and 600 prompts queued (about 0.29 of an
+    # interval): under the margin (1.25) the overload rule does not start there. But within
+    # `reverse_after_s` of its last step the rule resumes once the load plus the backlog to
+    # clear is above 1 (a pool just split for an overload whose load creeps back above its
+    # capacity while the queue grows; eval/RESULTS.md item 25).
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    s = _queued(600)
+    rate = 1.1 * 2 / COST.predict(8, 2000, 512)
+    ctl = CompositionController(cfg, lambda c: 100_000)
+    if ago is not None:
+        ctl._overload_at = -ago
+    op, figures, urgent = ctl._best(s, 0.0, [(i / rate, 2000, 512)
+                                             for i in range(int(20 * rate))])
+    f = dict(figures)
+    assert f["load (work / capacity) staying"] == pytest.approx(1.1, rel=0.01)
+    assert ("(load " in figures[1][0] and urgent and op[0][0] == "split") if starts else all(
+        "(load " not in label for label, _ in figures), figures
