@@ -175,7 +175,7 @@ class CompositionController:
         if scheduler.reconfig.in_progress:
             return
         if self._made & scheduler.reconfig.refused:  # the backend could not make it: back off
-            self._made, self._chain = set(), False
+            self._made, self._chain, self._overload_at = set(), False, float("-inf")
             self._backoff_until = now + cfg.cooldown_s
         if now < self._backoff_until:
             return
@@ -199,7 +199,6 @@ class CompositionController:
         op, figures, urgent = (*hold, True) if hold is not None else self._best(
             scheduler, now, sample, early, now - t0)
         self._chain = bool(urgent and op is not None and hold is None)
-        self._overload_at = now if self._chain else self._overload_at
         if figures is None:  # early, and the load calls for no evaluation: keep the schedule
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + self._plan_stay
             return
@@ -223,6 +222,7 @@ class CompositionController:
                 self.decisions.append(entry)
                 return
             rec, self._made = recs[0], {r.epoch for r in recs}
+            self._overload_at = now if self._chain else self._overload_at  # (made, not refused)
             self._quiet_until = now if urgent else now + cfg.cooldown_s
             if urgent:
                 self._next_eval = now

@@ -229,6 +229,27 @@ def test_a_refused_further_split_leaves_the_step_made_and_says_so():
     assert list(s.reconfig.in_progress) == [d["epoch"]] and s.composition == [8, 8]
 
 
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_only_an_overload_step_made_starts_the_rules_resume_period(refused):
+    # The same overload through `tick`: the step made sets when the rule last acted (item 25's
+    # resume period); refused by the scheduler (every change of it not made), it does not.
+    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+    ctl = CompositionController(CompositionConfig(max_samples=1720, min_degree=1, max_degree=8),
+                                lambda c: 100_000)
+    ctl.attach(s)
+    for i in range(1720):
+        t = i / 86.0
+        ctl.observe(Request(f"r{i}", t, 2000, 1, chain_block_hashes([i * 10 + k for k in
+                                                                    range(4)]), 512), 0, t)
+    if refused:
+        refuse_once(s, nth=1)
+    ctl._next_eval = 20.0
+    s.tick(20.0)
+    d = ctl.decisions[-1]
+    assert ("not made" in d.get("reason", "")) if refused else d["kind"] == "split", d
+    assert ctl._overload_at == (float("-inf") if refused else 20.0)
+
 class _LargerIsCheaper:
     """1e-4 s per new token over C, each GPU of a smaller degree a little less efficient (as
     on fitted profiles where CP-8 costs fewer GPU-seconds than CP-4): a split raises the
