@@ -76,7 +76,11 @@ def pattern_search(current: Sequence[int], degrees: Sequence[int], need: int,
     ds = sorted(set(degrees) | set(current))
     gpus = sum(current)
     seen: dict[tuple[int, ...], float] = {}
-    home = tuple(list(current).count(d) for d in ds)
+
+    def counts_of(comp: Sequence[int]) -> tuple[int, ...]:
+        return tuple(list(comp).count(d) for d in ds)
+
+    home = counts_of(current)
     outside = [k for k, d in enumerate(ds) if d not in degrees]
 
     def value(counts: tuple[int, ...]) -> float:
@@ -86,12 +90,9 @@ def pattern_search(current: Sequence[int], degrees: Sequence[int], need: int,
             seen[counts] = ttft(comp) if allowed and comp and max(comp) >= need else math.inf
         return seen[counts]
 
-    def counts_of(comp: Sequence[int]) -> tuple[int, ...]:
-        return tuple(list(comp).count(d) for d in ds)
-
     pairs = [(i, j) for j in range(len(ds)) for i in range(j)]  # (smaller, larger) degree
-    starts = [counts_of(current)] + [counts_of([d] * (gpus // d)) for d in ds
-                                     if gpus % d == 0 and d >= need and d in degrees]
+    starts = [home] + [counts_of([d] * (gpus // d)) for d in ds
+                       if gpus % d == 0 and d >= need and d in degrees]
     for x in sorted(set(starts), key=value):
         fx = value(x)
         m = 1 << max(0, (max(x) // 4).bit_length() - 1)

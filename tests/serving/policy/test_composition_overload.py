@@ -208,10 +208,9 @@ def test_an_overload_step_plans_the_splits_that_also_clear_the_backlog():
         pytest.approx(clear))
 
 
-def test_a_refused_further_split_leaves_the_step_made_and_says_so():
-    # As above, through `tick`, the scheduler refusing the second change (requests waiting
-    # would fit no worker after it): the first split stands, the refused one is not made and
-    # the log says so; nothing else changed.
+def _overloaded_through_tick():
+    """(scheduler, attached controller) over [8, 8] whose window holds 1,720 2K-token prompts
+    at 86 a second (a load past the overload margin), for an evaluation through `tick`."""
     s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
     ctl = CompositionController(CompositionConfig(max_samples=1720, min_degree=1, max_degree=8),
                                 lambda c: 100_000)
@@ -220,6 +219,14 @@ def test_a_refused_further_split_leaves_the_step_made_and_says_so():
         t = i / 86.0
         ctl.observe(Request(f"r{i}", t, 2000, 1, chain_block_hashes([i * 10 + k for k in
                                                                     range(4)]), 512), 0, t)
+    return s, ctl
+
+
+def test_a_refused_further_split_leaves_the_step_made_and_says_so():
+    # As above, through `tick`, the scheduler refusing the second change (requests waiting
+    # would fit no worker after it): the first split stands, the refused one is not made and
+    # the log says so; nothing else changed.
+    s, ctl = _overloaded_through_tick()
     calls = refuse_once(s, nth=2)
     ctl._next_eval = 20.0
     s.tick(20.0)
@@ -229,19 +236,11 @@ def test_a_refused_further_split_leaves_the_step_made_and_says_so():
     assert list(s.reconfig.in_progress) == [d["epoch"]] and s.composition == [8, 8]
 
 
-
 @pytest.mark.parametrize("refused", [True, False])
 def test_only_an_overload_step_made_starts_the_rules_resume_period(refused):
     # The same overload through `tick`: the step made sets when the rule last acted (item 25's
     # resume period); refused by the scheduler (every change of it not made), it does not.
-    s = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
-    ctl = CompositionController(CompositionConfig(max_samples=1720, min_degree=1, max_degree=8),
-                                lambda c: 100_000)
-    ctl.attach(s)
-    for i in range(1720):
-        t = i / 86.0
-        ctl.observe(Request(f"r{i}", t, 2000, 1, chain_block_hashes([i * 10 + k for k in
-                                                                    range(4)]), 512), 0, t)
+    s, ctl = _overloaded_through_tick()
     if refused:
         refuse_once(s, nth=1)
     ctl._next_eval = 20.0
