@@ -61,8 +61,16 @@ not lose to staying on the arrivals of the last `reverse_after_s`, replayed from
 window of a passing burst predicts a gain the arrivals after it do not give. With no candidate
 better by the margin, every composition is compared with the current one on equal terms
 (`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is
-made. Every evaluation is logged in `decisions`: the candidates compared and their predicted mean
-TTFT, whether a change was made and why.
+made. Where no single step gains that, the window found no cached prefix and the caches do not
+bind, the splits that make the target are made at once, one change per worker split
+(`composition_changes.target_splits`, logged `splits to the target: [0] into [2, 2, 2, 2], ...`),
+if the replay, their drains and re-carves included (and the queue they take over re-timed at
+the new degrees, `composition_changes.change_start`), predicts a fifth of the margin over
+staying and, with the load at most 1, they do not lose on the horizon (a step at a time, none
+of which gains alone, a pool just above its capacity waited for the overload rule while its
+queue grew: eval/RESULTS.md item 26; a burst just above capacity is split for too, and the
+splits stand `reverse_after_s`). Every evaluation is logged in `decisions`: the candidates
+compared and their predicted mean TTFT, whether a change was made and why.
 
 A change the backend could not make (`Scheduler.abandon_reconfiguration`) stops the evaluations
 for `cooldown_s`, so a refusal is not asked for again at every tick.
@@ -82,18 +90,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from serving.policy.composition_changes import (candidate_changes, change_degrees, change_op,
-                                                further_splits, hold_merge, target_of)
 from serving.policy.composition_config import CompositionConfig  # (its users import it here)
-from serving.policy.composition_horizon import replay_horizon
-from serving.policy.pool_load import kv_pressure, pool_backlog, pool_load
-from serving.policy.request import Request
-from serving.policy.whatif import Sample, Window, moves_toward, replay_ttft
+from serving.policy.composition_rules import CompositionRules
+from serving.policy.pool_load import pool_backlog
 from serving.policy.reconfiguration import StrandedRequests
-from serving.policy.worker import WorkerStatus
+from serving.policy.request import Request
 
 
-class CompositionController:
+class CompositionController(CompositionRules):
     """Splits and merges when a what-if replay predicts a gain net of the transition.
 
     Args:
@@ -248,153 +252,3 @@ class CompositionController:
             self._plan_stay = stay
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
         self.decisions.append(entry)
-
-    # ------------------------------------------------------------------------- candidates
-    def _hold_step(self, scheduler, now: float):
-        """`([op], figures)` of the merge making the largest worker while no worker holds the
-        longest prompt refused (module doc), else None (also when no merge is possible)."""
-        r, workers = self._unheld, scheduler.workers.values()
-        if r is None or any(w.status is not WorkerStatus.ACTIVE for w in workers):
-            return None
-        if any(w.can_hold(r) for w in workers):
-            self._unheld = None
-            return None
-        step = hold_merge(scheduler, now, self.config, self.longest, self.max_input_len)
-        if step is None:
-            return None
-        label = f"merge {step[1]} (to hold {r.input_len} tokens)"
-        return [step[0]], [("stay", float("nan")), (label, float("nan"))]
-
-    def _best(self, scheduler, now: float, sample: list[Sample], early: bool = False,
-              elapsed: float | None = None):
-        """`(ops or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
-        the best; `ops` the `Scheduler.begin_reconfiguration` arguments of the change (for the
-        overload rule's, the step then its further splits); `overloaded` when the next
-        evaluation comes once it is done (the overload rule's step, or a full comparison's that
-        goes on as one; module doc). `early`: `(None, None, False)` for a load the module doc
-        keeps the schedule for. `elapsed`: seconds from the sample's first arrival to now."""
-        cfg = self.config
-        self._vetoed = None
-        active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
-        if not active or len(active) != len(scheduler.workers):
-            return None, [("stay", float("nan"))], False
-        degrees = change_degrees(scheduler, active, cfg)
-        window = Window.of(sample, degrees, scheduler.cost_model.predict, self.max_input_len)
-        load = pool_load([w.cp_degree for w in active], window, elapsed)
-        # the overload rule starts past the margin, goes on (resumes, within `reverse_after_s`)
-        # while load + clear > 1; no cached prefix in the window: clear counts once load > 1
-        cached = any(h for _, _, h in sample)
-        resumed = self._chain or now - self._overload_at < cfg.reverse_after_s
-        clear = pool_backlog(active, now) / cfg.interval_s if resumed or (
-            load > 1.0 and not cached) else 0.0
-        over = 1.0 if resumed else 1.0 + cfg.min_gain
-        excess = load + clear
-        quiet = early and now < self._quiet_until  # (in a cooldown only the overload rule acts)
-        if early and (excess <= 1.0 or (excess <= over and quiet)):  # (module doc)
-            return None, None, False
-        free = {w.worker_id: w.outstanding_seconds(now) for w in active}
-        stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
-                              [free[w.worker_id] for w in active])
-        options = []
-        last_kind, last_time = self._last
-        kv_bound = kv_pressure(scheduler, active, now)
-        for olds, news in candidate_changes(active, now, set(degrees), cfg, self.longest,
-                                            self.max_input_len):
-            kind = "split" if len(news) > len(olds) else "merge"
-            if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
-                continue  # no undoing a change before `reverse_after_s` (no flapping)
-            if kind == "split" and kv_bound is not None and kv_bound >= 1.0:
-                continue  # the caches bind, not the compute: a split costs context (module doc)
-            drain = max(w.running_estimate - (now - w.running_start) if w.running else 0.0
-                        for w in olds)
-            queued = sum(w.queued_seconds for w in olds)
-            start = max(drain, 0.0) + cfg.recarve_s + queued / len(news)
-            kept = [w for w in active if w not in olds]
-            comp = [w.cp_degree for w in kept] + list(news)
-            ttft, unheld = replay_ttft(comp, window, cfg.lam,
-                                       [free[w.worker_id] for w in kept] + [start] * len(news))
-            if unheld:
-                continue
-            label = f"{kind} {[w.worker_id for w in olds]}"
-            options.append((ttft, label, olds, news, pool_load(comp, window, elapsed)))
-        figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
-            options, key=lambda o: o[0])]
-        if kv_bound is not None:
-            figures.append(("reused live working set / KV capacity", kv_bound))
-        figures.append(("load (work / capacity) staying", load))
-        if clear:
-            figures.append(("backlog to clear by the next evaluation / capacity", clear))
-        if not options:
-            return None, figures, False
-        if excess > over:  # overloaded: queues grow whatever the window shows; add capacity first
-            best = min(options, key=lambda o: o[4])
-            # cut the excess `load - 1` (the queues' growth) by a fifth of the margin, or (only
-            # the backlog left) lower the load; a first step no worse than staying (module doc)
-            if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
-                    self._chain or best[0] <= stay):
-                ops = []
-                for k, (olds, parts, after) in enumerate(further_splits(  # (module doc)
-                        active, best[2], best[3], best[4], window, elapsed, now, set(degrees),
-                        cfg, self.longest, self.max_input_len, clear)):
-                    ops.append(change_op(scheduler, olds, self.max_input_len, parts))
-                    into = f" into {parts}" if len(parts) > 2 else ""
-                    if k == 0:  # the step as judged, then the parts it is made into
-                        label = f"{best[1]} (load {best[4]:.2f})" + (
-                            f", made{into} (load {after:.2f})" if into else "")
-                    else:
-                        label = f"and split {[w.worker_id for w in olds]}{into} (load {after:.2f})"
-                    figures.insert(1 + k, (label, float("nan") if k else best[0]))
-                return ops, figures, True
-        if quiet:
-            return None, figures, False
-        ttft, label, olds, news, after = min(options, key=lambda o: o[0])
-        if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
-            # One step may gain little where several do (overload on large workers): compare
-            # every composition with the current one on equal terms (each worker starting with
-            # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
-            # way) and, when the best is better by the margin, take a step toward it that is
-            # itself predicted no worse than staying.
-            target, target_ttft, now_ttft, backlog = target_of(active, window, now, cfg,
-                                                               self.longest, self.max_input_len)
-            figures += [("current, beyond the backlog", now_ttft - backlog),
-                        (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
-            # the step itself must gain too (a fifth of the margin): each one drains workers
-            toward = [o for o in options if o[0] <= stay * (1 - cfg.min_gain / 5)
-                      and moves_toward(
-                          [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
-            gain = now_ttft - target_ttft
-            if not toward or not (gain > (now_ttft - backlog) * cfg.min_gain
-                                  and gain >= cfg.min_gain_s):
-                return None, figures, False
-            ttft, label, olds, news, after = min(toward, key=lambda o: o[0])
-            figures.remove((label, ttft))  # (listed once, as the step toward the target)
-            figures.insert(1, (label + " (toward the target)", ttft))
-        horizon = self._loses_on_horizon(scheduler, active, olds, news, now, len(sample),
-                                         figures)
-        if horizon is not None:
-            self._vetoed = (f"{label} beats staying by the margin on the window but not on "
-                            f"{horizon}")
-            return None, figures, False
-        # made while the load (in a chain: + clear) is above 1, a step lowering it goes on as
-        # the overload rule's where the window found no cached prefix (module doc)
-        return [change_op(scheduler, olds, self.max_input_len)], figures, (
-            excess > 1.0 and after < load and not cached)
-
-    def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
-                          figures: list) -> str | None:
-        """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
-        staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
-        most recent) replayed from idle workers (`composition_horizon`; `HorizonReplay.loses`),
-        else those arrivals ("the last N arrivals (S s)"). A change stands that long, and a
-        passing burst's window predicts a gain later arrivals do not give (a CP-8 split for a
-        burst of long documents; eval/RESULTS.md). None when the horizon holds no more
-        arrivals than the window. Not for the overload rule (its queues grow regardless)."""
-        current = [w.cp_degree for w in active]
-        h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
-                           + list(news), now, window_len, self.config,
-                           scheduler.cost_model.predict, self.max_input_len)
-        if h is None:
-            return None
-        figures += [(f"stay, {h.span} from idle workers", h.stay),
-                    ("the change, the same arrivals", h.change)]  # (both logged)
-        return h.span if h.loses() else None

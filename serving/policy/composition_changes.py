@@ -1,8 +1,9 @@
 """The changes the default split/merge controller weighs (`serving.policy.composition`): per
 degree, the split and the merge that drain first; the further splits an overload's step is
 made with (a worker's halvings as one change into their parts); the degrees a change may make
-and the target the changes are compared with; and the `Scheduler.begin_reconfiguration`
-arguments of making one.
+and the target the changes are compared with, and the splits that make it at once; when a
+change's new workers start serving; and the `Scheduler.begin_reconfiguration` arguments of
+making one.
 
 Plain Python over the pool's `WorkerState`s.
 """
@@ -174,3 +175,86 @@ def target_of(active: Sequence[WorkerState], window: Window, now: float,
     need = min((c for c in degrees if max_input_len(c) >= longest), default=max(degrees))
     return target_composition([w.cp_degree for w in active], pool_backlog(active, now),
                               window, config.lam, degrees, need)
+
+
+def change_start(olds: Sequence[WorkerState], parts: Sequence[int], now: float,
+                 config: CompositionConfig, window: Window | None = None) -> float:
+    """Seconds from `now` until the workers of degrees `parts` replacing `olds` (one worker, or
+    buddies of one degree C) start serving: the longest running prefill's rest (the drain),
+    `config.recarve_s`, and the work queued on `olds` (re-routed to the new workers) spread over
+    them. Without `window`, its seconds at degree C are spread evenly (the single changes' rule,
+    as measured); with it, it is served by all of them together, each at its own degree d:
+    `queued / sum_d speed(C, d)` (`relative_speed`; the splits to a target, which go deep: a
+    CP-8's queue re-routed to eight CP-1 takes about five times its CP-8 seconds spread over
+    them)."""
+    drain = max(w.running_estimate - (now - w.running_start) if w.running else 0.0 for w in olds)
+    queued = sum(w.queued_seconds for w in olds)
+    if queued > 0:
+        c = olds[0].cp_degree
+        queued /= sum(relative_speed(window, c, d) for d in parts) if window else len(parts)
+    return max(drain, 0.0) + config.recarve_s + queued
+
+
+def relative_speed(window: Window, c: int, d: int) -> float:
+    """Seconds of degree-`c` work a worker of degree `d` serves a second: `sum T(c) / sum
+    T(d)` over the window's requests both degrees hold (1 when none, or `c == d`)."""
+    if c == d:
+        return 1.0
+    a = b = 0.0
+    for x, y in zip(window.seconds[c], window.seconds[d]):
+        if x is not None and y is not None:
+            a, b = a + x, b + y
+    return a / b if a > 0 and b > 0 else 1.0
+
+
+def target_splits(active: Sequence[WorkerState], target: Sequence[int], now: float,
+                  config: CompositionConfig, free: dict[int, float], window: Window):
+    """The splits that make the composition `target` (CP degrees) from `active` at once, or
+    None when it needs a merge (or holds other GPUs).
+
+    Workers of a degree the target keeps stay whole, the busiest first (the least busy of a
+    degree drain soonest); the target's other degrees fill the rest, largest first into the
+    first worker with room (first-fit decreasing, exact for power-of-two degrees), each
+    worker's parts in descending order (an aligned tiling: `serving.policy.worker.split_parts`).
+
+    Args:
+      active: the pool's ACTIVE workers.
+      target: CP degrees (`target_of`).
+      now: seconds.
+      config: the controller's (`recarve_s`).
+      free: worker id -> seconds until it is free (outstanding work).
+      window: the evaluation's (`change_start`'s speeds).
+
+    Returns:
+      `(plan, degrees, starts)`: per worker split `(worker, its parts)`, in device order; the
+      composition after (the workers kept, then the parts); per worker of it, seconds until it
+      serves (`free`, or `change_start` of its split).
+    """
+    if sum(target) != sum(w.cp_degree for w in active):
+        return None
+    left = sorted(target, reverse=True)
+    kept, rest = [], []
+    for w in sorted(active, key=lambda w: (-free[w.worker_id], w.spec.first_device)):
+        if w.cp_degree in left:
+            left.remove(w.cp_degree)
+            kept.append(w)
+        else:
+            rest.append(w)
+    rest.sort(key=lambda w: w.spec.first_device)
+    parts: dict[int, list[int]] = {w.worker_id: [] for w in rest}
+    room = {w.worker_id: w.cp_degree for w in rest}
+    for c in left:
+        w = next((w for w in rest if room[w.worker_id] >= c), None)
+        if w is None:
+            return None
+        parts[w.worker_id].append(c)
+        room[w.worker_id] -= c
+    if not rest or any(room.values()):
+        return None
+    plan = [(w, parts[w.worker_id]) for w in rest]
+    kept.sort(key=lambda w: w.spec.first_device)
+    degrees, starts = [w.cp_degree for w in kept], [free[w.worker_id] for w in kept]
+    for w, ps in plan:
+        degrees += ps
+        starts += [change_start([w], ps, now, config, window)] * len(ps)
+    return plan, degrees, starts

@@ -292,7 +292,7 @@ class LiveWorkingSet:
 
     @property
     def reuse_rate(self) -> float:
-        """The reuse rate the controller's split veto reads (`composition.kv_pressure`): per
+        """The reuse rate the controller's split veto reads (`pool_load.kv_pressure`): per
         placement, the share of its blocks already live on the worker it was placed on,
         averaged over the recent placements (the one k placements ago weighed
         `REUSE_DECAY ** k`; each placement counts once, whatever its size); 1 before any

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import serving.policy.composition_rules as composition_rules
 from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
 from serving.policy.cost_router import VertumnusRouter
@@ -90,16 +91,19 @@ def test_a_backlog_beyond_the_plan_brings_the_next_evaluation_forward():
     assert split["early"] and 40.0 < split["time"] < 50.0, ctl.decisions[:3]
 
 
-@pytest.mark.parametrize("rate", [75.0, 80.0])
+@pytest.mark.parametrize("rate, splits", [(75.0, True), (75.0, False), (80.0, True)])
 def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgrows_the_plan(
-        rate):
+        rate, splits, monkeypatch):
     # as above, at 75 and 80 req/s: a load of 1.10 and 1.17, under the overload rule's 1.25.
     # The backlog outgrows the plan and the window's load above 1 explains it, so the full
     # comparison runs at once (before, only the overload rule could act early, and the pool
-    # waited for the evaluation at 61 s). At 80 req/s its split pays then; at 75 it does not
-    # yet, and an early evaluation that changes nothing keeps the schedule: the split comes
-    # at 61 s, not 30 s after the early one. A step made at a load above 1 goes on as the
+    # waited for the evaluation at 61 s). No single split gains then, but the splits to the
+    # target, all at once, do (`test_composition_target`). Without them (`splits=False`), at
+    # 75 req/s an early evaluation that changes nothing keeps the schedule: the split comes
+    # at 61 s, not 30 s after the early one. A change made at a load above 1 goes on as the
     # overload rule's: the next evaluation comes when it is done, not after `cooldown_s`.
+    if not splits:
+        monkeypatch.setattr(composition_rules, "target_splits", lambda *a: None)
     reqs, ctl = long_then_short(rate, int(40 * rate))
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach])
@@ -108,11 +112,10 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
     load = dict(early[0]["candidates"])["load (work / capacity) staying"]
     assert 1.0 < load < 1.25, early[0]
     split = next(d for d in ctl.decisions if d.get("kind") == "split")
-    if rate == 80.0:
+    if splits:
         assert split["early"] and split["time"] < 60.0, ctl.decisions[:4]
-        # (the overload rule's: with no cached prefix in the window the backlog to clear counts
-        # in its start, 1.17 + 0.08); it goes on as soon as the step is done (no cooldown)
         assert split["reason"].endswith("overloaded: next evaluation when done"), split
+        assert split["chosen"].startswith("splits to the target: "), split
         after = ctl.decisions[ctl.decisions.index(split) + 1]
         assert after["time"] < split["time"] + 5.0, ctl.decisions[:6]
     else:

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-import serving.policy.composition as composition
+import serving.policy.composition_rules as composition_rules
 import serving.policy.composition_horizon as composition_horizon
 from eval.sim.simulator import simulate
 from serving.policy.composition import CompositionConfig, CompositionController
@@ -44,7 +44,7 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
                                                   max_degree=8, deep_splits=False),
                                 lambda c: 100_000)
     handle, stay = [], [0.0]
-    real = composition.replay_ttft
+    real = composition_rules.replay_ttft
 
     def replay(comp, window, lam, start=None):
         ttft, unheld = real(comp, window, lam, start)
@@ -54,7 +54,7 @@ def test_the_overload_rule_goes_on_where_the_window_shows_a_step_no_gain(monkeyp
             ttft = max(ttft, 1.01 * stay[0])
         return ttft, unheld
 
-    monkeypatch.setattr(composition, "replay_ttft", replay)
+    monkeypatch.setattr(composition_rules, "replay_ttft", replay)
     monkeypatch.setattr(composition_horizon, "replay_ttft", replay)  # (the horizon's too)
     simulate(short_prompts(2700, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
              VertumnusRouter(), COST.predict, SIM, setup=[handle.append, ctl.attach])

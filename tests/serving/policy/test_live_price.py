@@ -211,7 +211,7 @@ def test_choose_is_the_first_least_cost_from_the_rotation(cost_model=COST):
 
 
 def test_controller_ignores_a_router_attribute_that_is_not_a_live_set():
-    from serving.policy.composition import kv_pressure
+    from serving.policy.pool_load import kv_pressure
 
     class Sched:
         router = type("R", (), {"live": True})()
