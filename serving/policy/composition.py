@@ -107,9 +107,15 @@ class CompositionController(CompositionRules):
         able to hold it is kept before such a prompt is seen.
 
     Use: `controller.attach(scheduler)` registers its placement, refusal, tick, reconfigured hooks;
-    `decisions` logs every evaluation (time, candidates with predicted mean TTFT, the choice,
-    the reason). It plans with the workers the pool has (after `Scheduler.lose_workers`); a
-    merge never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
+    `decisions` logs every evaluation as a dict: `time` (s), `samples`, `early`, `candidates`
+    (`(label, figure)` pairs: stay first, then the changes with their predicted mean TTFT in
+    seconds, then the figures the rules read: the load and the backlog to clear as shares of
+    capacity, the reused live working set over KV capacity, the current composition's and the
+    target's TTFT beyond the backlog in seconds, the horizon's replays), `chosen`, `reason`
+    (ms) and, when a change was made, `kind`, `old`, `new`, `epoch` of its first change and the
+    rest in `further` (an overload step's further splits, the splits to a target: one per
+    worker). It plans with the workers the pool has (after `Scheduler.lose_workers`); a merge
+    never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
     """
 
     def __init__(self, config: CompositionConfig, max_input_len: Callable[[int], int],
@@ -172,7 +178,8 @@ class CompositionController(CompositionRules):
 
     def tick(self, scheduler, now: float) -> None:
         """Evaluates the candidates every `interval_s`, sooner when the backlog outgrows the
-        plan (module doc), and makes at most one change."""
+        plan (module doc), and makes at most one change (or one step made of several: an
+        overload step with its further splits, the splits to a target)."""
         cfg = self.config
         if self._next_eval is None:
             self._next_eval = now + cfg.interval_s

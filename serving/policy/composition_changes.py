@@ -210,7 +210,7 @@ def relative_speed(window: Window, c: int, d: int) -> float:
 def target_splits(active: Sequence[WorkerState], target: Sequence[int], now: float,
                   config: CompositionConfig, free: dict[int, float], window: Window):
     """The splits that make the composition `target` (CP degrees) from `active` at once, or
-    None when it needs a merge (or holds other GPUs).
+    None when it needs a merge, holds other GPUs or is the current composition.
 
     Workers of a degree the target keeps stay whole, the busiest first (the least busy of a
     degree drain soonest); the target's other degrees fill the rest, largest first into the

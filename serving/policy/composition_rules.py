@@ -42,7 +42,8 @@ class CompositionRules:
               elapsed: float | None = None):
         """`(ops or None, [(label, predicted mean TTFT s), ...], overloaded)`: stay first, then
         the best; `ops` the `Scheduler.begin_reconfiguration` arguments of the change (for the
-        overload rule's, the step then its further splits); `overloaded` when the next
+        overload rule's, the step then its further splits; for the splits to a target, one per
+        worker split); `overloaded` when the next
         evaluation comes once it is done (the overload rule's step, or a full comparison's that
         goes on as one; module doc). `early`: `(None, None, False)` for a load the module doc
         keeps the schedule for. `elapsed`: seconds from the sample's first arrival to now."""
@@ -158,22 +159,29 @@ class CompositionRules:
               elapsed, window_len):
         """`_best`'s answer when no single step toward `target` gains: the splits that make it,
         at once (`target_splits`), if predicted to gain a fifth of the margin over staying and,
-        with the load at most 1, not to lose on the horizon (module doc); `(ops, figures,
-        overloaded)` as `_best` (`ops` None, or one split per worker changed). `free`: worker id
-        -> seconds of outstanding work; `window_len`: the window's arrivals."""
+        with the load at most 1, not to lose on the horizon (module doc); never within
+        `reverse_after_s` of a merge, into more than halves without `config.deep_splits`, or
+        leaving no worker able to hold `longest`. `(ops, figures, overloaded)` as `_best` (`ops`
+        None, or one split per worker changed). `free`: worker id -> seconds of outstanding
+        work; `window_len`: the window's arrivals."""
         cfg, (last_kind, last_time) = self.config, self._last
         made = None if last_kind == "merge" and now - last_time < cfg.reverse_after_s else \
             target_splits(active, target, now, cfg, free, window)
         if made is None:
             return None, figures, False
         plan, degrees, starts = made
+        olds = [w for w, _ in plan]
+        if (not cfg.deep_splits and any(len(ps) > 2 for _, ps in plan)) or not (any(
+                w.spec.max_input_len >= self.longest for w in active if w not in olds) or any(
+                self.max_input_len(c) >= self.longest for _, ps in plan for c in ps)):
+            return None, figures, False  # halves only; a worker holding `longest` is kept
         ttft, unheld = replay_ttft(degrees, window, cfg.lam, starts)
         label = "splits to the target: " + ", ".join(f"{[w.worker_id]} into {p}" for w, p in plan)
         figures.insert(1, (label, ttft))
         if unheld or ttft > stay * (1 - cfg.min_gain / 5):
             return None, figures, False
         if load <= 1.0:
-            span = self._loses_on_horizon(scheduler, active, [w for w, _ in plan],
+            span = self._loses_on_horizon(scheduler, active, olds,
                                           [c for _, ps in plan for c in ps], now, window_len,
                                           figures)
             if span is not None:

@@ -124,9 +124,10 @@ def test_a_load_just_above_capacity_is_evaluated_in_full_when_the_backlog_outgro
 
 
 def test_an_early_change_refused_for_stranded_requests_keeps_the_schedule():
-    # as above at 80 req/s, where the early evaluation at 55 s splits; here the scheduler
-    # refuses that split (requests waiting would fit no worker after it): nothing changed, so
-    # the regular evaluation still comes at 61 s (before, the refusal pushed it to 85 s)
+    # as above at 80 req/s, where an early evaluation splits (the splits to the target);
+    # here the scheduler refuses the first split (requests waiting would fit no worker after
+    # it): nothing changed, so the regular evaluation still comes at 61 s (before, the
+    # refusal pushed it to 85 s)
     reqs, ctl = long_then_short(80, 3200)
     simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
              COST.predict, SIM, setup=[ctl.attach, refuse_once])

@@ -18,17 +18,14 @@ from serving.policy.worker import WorkerState, layout_workers
 from tests.serving.policy.test_composition import COST, SIM, short_prompts
 
 
-def run_70(monkeypatch=None, target=None, splits=True, last=None):
+def run_70(monkeypatch=None, target=None, splits=True):
     """1-3K-token prompts at 70 req/s for 40 s on [8, 8] (a load of about 1.1: under the
-    overload rule's margin); returns the controller and the mean TTFT (s). `last`: the
-    controller's last change `(kind, time)` before the run."""
+    overload rule's margin); returns the controller and the mean TTFT (s)."""
     if target is not None:
         monkeypatch.setattr(composition_rules, "target_of", target)
     if not splits:
         monkeypatch.setattr(composition_rules, "target_splits", lambda *a: None)
     ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
-    if last is not None:
-        ctl._last = last
     recs = simulate(short_prompts(2800, 70.0), layout_workers([8, 8], 10_000, 100_000), COST,
                     VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
     return ctl, np.mean([r.ttft for r in recs])
@@ -150,15 +147,13 @@ def jumps(ctl):
 def test_the_splits_to_the_target_wait_where_the_rules_say(monkeypatch):
     # The case above: the splits are made at a load above 1 even when every change loses on
     # the horizon (exempt, as the overload rule is: the queues grow whatever came before) ...
+    # (the other gates, each alone: `test_jump_gates`)
     monkeypatch.setattr(composition_rules.CompositionRules, "_loses_on_horizon",
                         lambda *a: "the last 5 arrivals (9 s)")
     ctl, _ = run_70()
     assert jumps(ctl) and dict(jumps(ctl)[0]["candidates"])[
         "load (work / capacity) staying"] > 1.0
     monkeypatch.undo()
-    # ... but not within `reverse_after_s` of a merge (no undoing a change sooner) ...
-    ctl, _ = run_70(last=("merge", 0.0))
-    assert not jumps(ctl) and not any(d.get("kind") == "split" for d in ctl.decisions[:2])
     # ... nor while the caches bind (a split costs context the replay cannot see) ...
     monkeypatch.setattr(composition_rules, "kv_pressure", lambda *a: 1.0)
     ctl, _ = run_70()
@@ -191,3 +186,58 @@ def test_change_start_spreads_or_retimes_the_queue():
     assert composition_changes.relative_speed(window(), 4, 4) == 1.0
     held = Window.of([(0.0, 6000, 0)], (1, 2), COST.predict, {1: 5000, 2: 100_000}.get)
     assert composition_changes.relative_speed(held, 2, 1) == 1.0
+
+
+def test_jump_gates(monkeypatch):
+    # `_jump` on [8, 8] toward eight CP-2 (1 s of work queued on worker 1), its replay and
+    # horizon stubbed: each gate alone refuses the splits the others would make.
+    from serving.policy.scheduler import Scheduler
+    from tests.serving.policy.scheduler_fixtures import Backend
+    sched = Scheduler(layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(), Backend())
+    active = list(sched.workers.values())
+    active[1].queued_seconds = 1.0
+    free = {w.worker_id: w.outstanding_seconds(0.0) for w in active}
+    predicted, horizon = [(0.5, 0)], [None]
+    monkeypatch.setattr(composition_rules, "replay_ttft", lambda *a: predicted[0])
+    monkeypatch.setattr(composition_rules.CompositionRules, "_loses_on_horizon",
+                        lambda *a: horizon[0])
+
+    def jump(cfg=CompositionConfig(min_degree=1, max_degree=8), load=1.1, last=None,
+             longest=0, cap=lambda c: 100_000):
+        ctl = CompositionController(cfg, cap, longest)
+        ctl._last = last or ctl._last
+        figures = [("stay", 1.0)]
+        ops, figures, urgent = ctl._jump(sched, active, [2] * 8, 0.0, 1.0, free, window(),
+                                         figures, load, load, None, 100)
+        return ops, figures, urgent, ctl
+
+    ops, figures, urgent, _ = jump()
+    assert [(k, old, [s.cp_degree for s in new]) for k, old, new in ops] == [
+        ("split", [0], [2, 2, 2, 2]), ("split", [1], [2, 2, 2, 2])]
+    assert figures[1] == ("splits to the target: [0] into [2, 2, 2, 2], [1] into [2, 2, 2, 2]",
+                          0.5)
+    assert urgent  # (load 1.1, eight CP-2 below it: goes on as the overload rule's)
+    assert jump(load=0.9)[2] is False  # made at a load of at most 1: not urgent
+    # the replay's gain short of a fifth of the margin (0.95 of staying's 1.0), or a request
+    # the splits' workers cannot hold
+    predicted[0] = (0.96, 0)
+    assert jump()[0] is None
+    predicted[0] = (0.5, 1)
+    assert jump()[0] is None
+    predicted[0] = (0.5, 0)
+    # losing on the horizon: a veto at a load of at most 1, not above it
+    horizon[0] = "the last 5 arrivals (9 s)"
+    ops, _, _, ctl = jump(load=0.9)
+    assert ops is None and ctl._vetoed.endswith("not on the last 5 arrivals (9 s)")
+    assert jump(load=1.1)[0] is not None
+    horizon[0] = None
+    # within `reverse_after_s` of a merge; not after it
+    cfg = CompositionConfig(min_degree=1, max_degree=8)
+    assert jump(last=("merge", -cfg.reverse_after_s + 1.0))[0] is None
+    assert jump(last=("merge", -cfg.reverse_after_s - 1.0))[0] is not None
+    # halves only (`deep_splits=False`): four CP-2 from a CP-8 is not a halving
+    assert jump(CompositionConfig(min_degree=1, max_degree=8, deep_splits=False))[0] is None
+    # the only workers able to hold `longest` (CP-8 here: 6,000 tokens a GPU) are kept
+    per_gpu = {c: 6000 * c for c in (1, 2, 4, 8)}.get
+    assert jump(longest=40_000, cap=per_gpu)[0] is None
+    assert jump(longest=10_000, cap=per_gpu)[0] is not None
