@@ -123,8 +123,8 @@ class CompositionRules:
             # One step may gain little where several do (overload on large workers): compare
             # every composition with the current one on equal terms (each worker starting with
             # the pool's backlog B spread over the GPUs; TTFT beyond B, as B is paid either
-            # way) and, when the best is better by the margin, take a step toward it that is
-            # itself predicted no worse than staying.
+            # way) and, when the best is better by the margin, take a step toward it that
+            # itself gains a fifth of the margin or, where none does, the splits to it at once.
             target, target_ttft, now_ttft, backlog = target_of(active, window, now, cfg,
                                                                self.longest, self.max_input_len)
             figures += [("current, beyond the backlog", now_ttft - backlog),
@@ -170,19 +170,18 @@ class CompositionRules:
         if made is None:
             return None, figures, False
         plan, degrees, starts = made
-        olds = [w for w, _ in plan]
-        if (not cfg.deep_splits and any(len(ps) > 2 for _, ps in plan)) or not (any(
-                w.spec.max_input_len >= self.longest for w in active if w not in olds) or any(
-                self.max_input_len(c) >= self.longest for _, ps in plan for c in ps)):
-            return None, figures, False  # halves only; a worker holding `longest` is kept
+        olds, parts = [w for w, _ in plan], [c for _, ps in plan for c in ps]
+        holds = any(w.spec.max_input_len >= self.longest for w in active if w not in olds) or \
+            any(self.max_input_len(c) >= self.longest for c in parts)
+        if not holds or (not cfg.deep_splits and any(len(ps) > 2 for _, ps in plan)):
+            return None, figures, False  # a worker able to hold `longest` is kept; halves only
         ttft, unheld = replay_ttft(degrees, window, cfg.lam, starts)
         label = "splits to the target: " + ", ".join(f"{[w.worker_id]} into {p}" for w, p in plan)
         figures.insert(1, (label, ttft))
         if unheld or ttft > stay * (1 - cfg.min_gain / 5):
             return None, figures, False
         if load <= 1.0:
-            span = self._loses_on_horizon(scheduler, active, olds,
-                                          [c for _, ps in plan for c in ps], now, window_len,
+            span = self._loses_on_horizon(scheduler, active, olds, parts, now, window_len,
                                           figures)
             if span is not None:
                 self._vetoed = f"{label} beats staying on the window but not on {span}"
