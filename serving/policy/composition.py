@@ -96,6 +96,10 @@ from serving.policy.pool_load import pool_backlog
 from serving.policy.reconfiguration import StrandedRequests
 from serving.policy.request import Request
 
+# Evaluations `CompositionController.decisions` keeps, the most recent (at one per `interval_s`
+# of 30 s, about a day; a simulated run of hours keeps all of its own).
+DECISIONS_KEPT = 4096
+
 
 class CompositionController(CompositionRules):
     """Splits and merges when a what-if replay predicts a gain net of the transition.
@@ -114,7 +118,8 @@ class CompositionController(CompositionRules):
     target's TTFT beyond the backlog in seconds, the horizon's replays), `chosen`, `reason`
     (ms) and, when a change was made, `kind`, `old`, `new`, `epoch` of its first change and the
     rest in `further` (an overload step's further splits, the splits to a target: one per
-    worker). It plans with the workers the pool has (after `Scheduler.lose_workers`); a merge
+    worker); the `DECISIONS_KEPT` most recent are kept (a server evaluates for weeks). It
+    plans with the workers the pool has (after `Scheduler.lose_workers`); a merge
     never spans hosts (`are_buddies`; degrees capped at `host_degree_cap`).
     """
 
@@ -230,7 +235,7 @@ class CompositionController(CompositionRules):
                 self._chain = False
                 self._next_eval = kept if early else self._next_eval  # (no change: kept)
                 entry["reason"] = f"not made: {refused}"
-                self.decisions.append(entry)
+                self._log(entry)
                 return
             rec, self._made = recs[0], {r.epoch for r in recs}
             self._overload_at = now if self._chain else self._overload_at  # (made, not refused)
@@ -258,4 +263,10 @@ class CompositionController(CompositionRules):
         if not urgent and stay > 0 and stay < float("inf"):  # (not NaN)
             self._plan_stay = stay
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
+        self._log(entry)
+
+    def _log(self, entry: dict) -> None:
+        """Appends `entry` to `decisions`, keeping the `DECISIONS_KEPT` most recent."""
         self.decisions.append(entry)
+        if len(self.decisions) > DECISIONS_KEPT:
+            del self.decisions[:len(self.decisions) - DECISIONS_KEPT]
