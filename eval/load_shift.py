@@ -15,7 +15,9 @@ react:
 
 Every prompt is new content (`eval.traces.synthetic`, seeds 1 and 2); 16 GPUs, degrees {2, 4,
 8}. Prints one table per heavy rate (mean and P90 TTFT per phase, the reconfigurations) and
-writes it beside the JSON (`.md`); about 20 s. Shapes and rates were chosen once to reproduce
+writes it beside the JSON (`.md`; the JSON also holds, per system with the what-if
+controller, each evaluation that made a change with the candidates it compared and their
+figures, `controller_changes`); about 20 s. Shapes and rates were chosen once to reproduce
 the issue's case; no constant of the policy was tuned on it (the controller's overload rule was
 changed after a first run of it: eval/RESULTS.md, "What changed in the policy", item 11).
 """
@@ -30,6 +32,7 @@ import sys
 from absl import app, flags
 
 from eval.experiment import ReplayConfig, ReplayEnv, run_parallel_degrees, simulate_system
+from serving.policy.composition import CompositionController
 from eval.metrics import summarize
 from eval.slo import SloSpec, assign_slos
 from eval.traces.scenarios import Phase, phase_of, phased_workload, summarize_phases
@@ -55,6 +58,17 @@ def define_flags() -> None:
     flags.DEFINE_float("heavy_s", 180.0, "Heavy phase length (s), > 0.")
     flags.DEFINE_list("systems", list(SYSTEMS), "Systems to compare.")
     flags.DEFINE_string("output_json", "out/load_shift.json", "Where the JSON goes.")
+
+def controller_changes(system) -> list[dict]:
+    """The evaluations of `system`'s what-if controller (`CompositionController.decisions`)
+    that made a change: time (s), the change, why, and the candidates compared with their
+    figures (`[label, value]`; None where the log has NaN); [] for a system without one."""
+    ctl = next((f.__self__ for f in system.setup
+                if isinstance(getattr(f, "__self__", None), CompositionController)), None)
+    return [{"time": d["time"], "chosen": d["chosen"], "reason": d["reason"],
+             "candidates": [[label, v if v == v else None] for label, v in d["candidates"]]}
+            for d in (ctl.decisions if ctl is not None else ()) if d.get("kind")]
+
 
 def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,
         systems=SYSTEMS) -> tuple[dict, list[str]]:
@@ -107,7 +121,8 @@ def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,
             log = [{k: x[k] for k in ("kind", "started", "finished", "composition")}
                    for x in sched.reconfig.log]
             at[name] = {"phases": per, "overall": overall, "composition": system.composition,
-                        "final_composition": sched.composition, "reconfigurations": log}
+                        "final_composition": sched.composition, "reconfigurations": log,
+                        "controller_changes": controller_changes(system)}
             a, b = per["long-light"], per["short-heavy"]
             md.append(f"| {name} | {a['mean_ttft_ms']:.0f} / {a['p90_ttft_ms']:.0f} | "
                       f"{b['mean_ttft_ms']:.0f} / {b['p90_ttft_ms']:.0f} | "

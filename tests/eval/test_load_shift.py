@@ -26,6 +26,16 @@ def test_the_controller_splits_when_the_short_prompts_arrive():
     assert ours["phases"]["short-heavy"]["mean_ttft_ms"] < \
         0.5 * cp8["phases"]["short-heavy"]["mean_ttft_ms"]
     assert any(line.startswith("| vertumnus |") for line in md)
+    # each split's evaluation is in the JSON with the candidates it compared (the first one
+    # made: the change chosen, then staying's and the change's figures)
+    changes = ours["controller_changes"]
+    assert changes and cp8["controller_changes"] == []
+    first = changes[0]
+    assert first["time"] == splits[0]["started"] and first["reason"].startswith(
+        "predicted mean TTFT"), first
+    figures = dict(first["candidates"])
+    assert first["chosen"] in figures and figures["stay"] > 0
+    assert all(v is None or v == v for v in figures.values())  # (NaN as None: strict JSON)
 
 
 @pytest.mark.parametrize("kw, message", [
