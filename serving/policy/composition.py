@@ -69,8 +69,9 @@ the new degrees, `composition_changes.change_start`), predicts a fifth of the ma
 staying and, with the load at most 1, they do not lose on the horizon (a step at a time, none
 of which gains alone, a pool just above its capacity waited for the overload rule while its
 queue grew: eval/RESULTS.md item 26; a burst just above capacity is split for too, and the
-splits stand `reverse_after_s`). Every evaluation is logged in `decisions`: the candidates
-compared and their predicted mean TTFT, whether a change was made and why.
+splits stand `reverse_after_s`). Every evaluation is logged in `decisions` (the most recent
+`DECISIONS_KEPT`): the candidates compared and their predicted mean TTFT, whether a change was
+made and why.
 
 A change the backend could not make (`Scheduler.abandon_reconfiguration`) stops the evaluations
 for `cooldown_s`, so a refusal is not asked for again at every tick.

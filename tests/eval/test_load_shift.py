@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import types
+
 import pytest
 
-from eval.load_shift import run
+from eval.load_shift import controller_changes, run
+from serving.policy.composition import CompositionConfig, CompositionController
 
 
 def test_the_controller_splits_when_the_short_prompts_arrive():
@@ -29,13 +33,28 @@ def test_the_controller_splits_when_the_short_prompts_arrive():
     # each split's evaluation is in the JSON with the candidates it compared (the first one
     # made: the change chosen, then staying's and the change's figures)
     changes = ours["controller_changes"]
-    assert changes and cp8["controller_changes"] == []
+    assert changes and cp8["controller_changes"] is None
     first = changes[0]
-    assert first["time"] == splits[0]["started"] and first["reason"].startswith(
-        "predicted mean TTFT"), first
+    assert (first["time"], first["epoch"]) == (splits[0]["started"], 1) and first[
+        "reason"].startswith("predicted mean TTFT"), first
     figures = dict(first["candidates"])
     assert first["chosen"] in figures and figures["stay"] > 0
-    assert all(v is None or v == v for v in figures.values())  # (NaN as None: strict JSON)
+    # strict JSON: NaN and infinities as None
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
+
+
+def test_controller_changes_are_strict_json():
+    # a logged NaN or infinity becomes None; the evaluations that made no change are left out
+    ctl = CompositionController(CompositionConfig(), lambda c: 100_000)
+    made = {"time": 2.0, "kind": "split", "old": [0], "new": [2, 3], "epoch": 1,
+            "further": [], "chosen": "split [0]", "reason": "r"}
+    ctl.decisions += [{"time": 1.0, "chosen": "stay", "reason": "r", "candidates": [
+        ("stay", 0.5)]}, {**made, "candidates": [("stay", float("nan")), ("split [0]", 0.25),
+                                                 ("target", float("inf"))]}]
+    got = controller_changes(types.SimpleNamespace(setup=[ctl.attach]))
+    assert got == [{**made, "candidates": [["stay", None], ["split [0]", 0.25],
+                                          ["target", None]]}]
+    assert controller_changes(types.SimpleNamespace(setup=[lambda s: None])) is None
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -340,7 +340,7 @@ def test_the_decisions_log_keeps_the_most_recent(monkeypatch):
                                     lambda c: 100_000)
         simulate(short_prompts(3600, 90.0), layout_workers([8, 8], 10_000, 100_000), COST,
                  VertumnusRouter(), COST.predict, SIM, setup=[ctl.attach])
-        return ctl.decisions
+        return [(d["time"], d["chosen"], d["reason"]) for d in ctl.decisions]
     every = run()
     assert len(every) >= 3
     monkeypatch.setattr(composition, "DECISIONS_KEPT", 2)
