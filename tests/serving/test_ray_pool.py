@@ -209,7 +209,9 @@ def test_host_death_under_load_loses_nothing(pool, greedy):
             assert body["error"]["type"] == "service_unavailable", body
             failed += 1
     assert failed <= 2  # at most the prefills running on host 1's two workers
-    assert max(r[3] for r in results) - killed < 60  # nothing hangs
+    # nothing hangs (a bound on a hang, not a timing: a 2-core machine shared with two
+    # evaluations took 90 s; below the futures' own 180 s)
+    assert max(r[3] for r in results) - killed < 150
     wait_until(lambda: client.get("/v1/hosts").json()["hosts"][1]["state"] != "alive"
                or client.get("/v1/hosts").json()["hosts"][1]["pid"] != victim["pid"], 60)
     after = client.post("/v1/completions", json={"prompt": _prompt(300)})  # host 0 serves on
