@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.timing import call_seconds
 
 REFERENCES = ("cudnn", "xla")
 
@@ -56,13 +57,7 @@ def time_fn(fn, args, iters: int, warmup: int) -> dict:
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - start
     out = jax.block_until_ready(compiled(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
+    times = call_seconds(compiled, args, iters, warmup)
     return {"compile_s": compile_s, "ms": 1e3 * statistics.median(times),
             "min_ms": 1e3 * min(times), "out": out}
 

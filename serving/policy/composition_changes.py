@@ -190,8 +190,12 @@ def change_start(olds: Sequence[WorkerState], parts: Sequence[int], now: float,
     drain = max(w.running_estimate - (now - w.running_start) if w.running else 0.0 for w in olds)
     queued = sum(w.queued_seconds for w in olds)
     if queued > 0:
-        c = olds[0].cp_degree
-        queued /= sum(relative_speed(window, c, d) for d in parts) if window else len(parts)
+        if window:  # (one speed per distinct degree: a window pass each)
+            c = olds[0].cp_degree
+            speed = {d: relative_speed(window, c, d) for d in set(parts)}
+            queued /= sum(speed[d] for d in parts)
+        else:
+            queued /= len(parts)
     return max(drain, 0.0) + config.recarve_s + queued
 
 
