@@ -54,12 +54,13 @@ router's, `serving.policy.live_set`, `kv_pressure`) is at least its KV capacity,
 the compute bind the pool, and no split is made (on the agent sessions the splits made there cost
 +69 % mean TTFT; eval/RESULTS.md). Otherwise the best candidate is made only when its predicted
 mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (absolute); one change
-at a time, then `cooldown_s` (except after an overload's step or a refused prompt's merge), and no
-change undoes the previous one (a merge after a split, or the reverse) within `reverse_after_s`, so
-noisy windows cannot make it flap. As a change stands that long, it is made only if it also does
-not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers: a
-window of a passing burst predicts a gain the arrivals after it do not give. With no candidate
-better by the margin, every composition is compared with the current one on equal terms
+at a time, then `cooldown_s` (except after an overload's step, a refused prompt's merge or a
+step back from a split, below), and no change undoes the previous one (a merge after a split,
+or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap (but for the
+steps back from a split, below). As a change stands that long, it is made only if it also does
+not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers:
+a window of a passing burst predicts a gain the arrivals after it do not give. With no
+candidate better by the margin, every composition is compared with the current one on equal terms
 (`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is
 made. Where no single step gains that, the window found no cached prefix and the caches do not
 bind, the splits that make the target are made at once, one change per worker split
@@ -68,8 +69,19 @@ if the replay, their drains and re-carves included (and the queue they take over
 the new degrees, `composition_changes.change_start`), predicts a fifth of the margin over
 staying and, with the load at most 1, they do not lose on the horizon (a step at a time, none
 of which gains alone, a pool just above its capacity waited for the overload rule while its
-queue grew: eval/RESULTS.md item 26; a burst just above capacity is split for too, and the
-splits stand `reverse_after_s`). Every evaluation is logged in `decisions` (the most recent
+queue grew: eval/RESULTS.md item 26; a burst just above capacity is split for too). Within
+`reverse_after_s` of a split, where the window found no cached prefix (elsewhere no merge is
+made then, as before), a merge is made only as such a step toward the target, and it must not
+lose to staying on every arrival of the last `reverse_after_s` (at most `SINCE_KEPT *
+max_samples`, the most recent), not only the horizon rule's last `4 * max_samples`: the burst
+the split was made for, and any since, are in them (when they are more than the window's). It
+must leave the load plus the backlog to clear at most 1 (else the overload rule splits again at
+once), and it ends the overload: that rule starts again past its margin. These steps back
+follow one another (the next evaluation when each is done, no `cooldown_s`) and do not restart
+the split's `reverse_after_s`, so a split may follow them: the capacity a burst was split for
+is given back once the comparison finds the composition before it better, not
+`reverse_after_s` later (a burst just above capacity then a light load, the splits standing
+600 s: eval/RESULTS.md item 27). Every evaluation is logged in `decisions` (the most recent
 `DECISIONS_KEPT`): the candidates compared and their predicted mean TTFT, whether a change was
 made and why.
 
@@ -100,6 +112,12 @@ from serving.policy.request import Request
 # Evaluations `CompositionController.decisions` keeps, the most recent (at one per `interval_s`
 # of 30 s, about a day; a simulated run of hours keeps all of its own).
 DECISIONS_KEPT = 4096
+# Arrivals of the last `reverse_after_s` kept to weigh a step back from a split on
+# (`CompositionRules._best`), in windows of `max_samples`: a bound on that evaluation's cost
+# (25,600 arrivals by default, the whole 600 s up to about 43 req/s; about 0.1 s of replay).
+# Past it the step back is weighed on the most recent arrivals only, and a burst older than
+# them is not seen (a shorter bound let periodic bursts be merged away between them).
+SINCE_KEPT = 64
 
 
 class CompositionController(CompositionRules):
@@ -133,7 +151,11 @@ class CompositionController(CompositionRules):
         self._scheduler = None
         # (time, input_len, cached_len) of the last arrivals, past the window (horizon rule)
         self._horizon: deque = deque(maxlen=4 * config.max_samples)
+        # the arrivals of the last `reverse_after_s`, at most `SINCE_KEPT * max_samples` (a
+        # step back from a split is weighed on them)
+        self._since: deque = deque(maxlen=SINCE_KEPT * config.max_samples)
         self._vetoed: str | None = None  # the change `_loses_on_horizon` refused, if any
+        self._undoing = False  # the change `_best` chose merges back within `reverse_after_s`
         self._next_eval = None
         self._quiet_until = 0.0
         self._last = (None, -float("inf"))  # (kind, time) of the last change made
@@ -170,6 +192,9 @@ class CompositionController(CompositionRules):
         sample = (now, request.input_len, cached_len)
         self._samples.append(sample)
         self._horizon.append(sample)
+        self._since.append(sample)
+        while self._since and self._since[0][0] <= now - self.config.reverse_after_s:
+            self._since.popleft()
         if request.input_len > self.longest:
             self.longest = request.input_len
         if len(self._samples) > 4 * self.config.max_samples:
@@ -212,6 +237,7 @@ class CompositionController(CompositionRules):
         recent = list(samples)[-cfg.max_samples:]
         t0 = recent[0][0] if recent else now
         sample = [(t - t0, n, h) for t, n, h in recent]  # replayed from now on
+        self._undoing = False  # (set by `_best` when its change undoes a split)
         # urgent (refused prompts, or an overload): evaluate again once the change is done
         op, figures, urgent = (*hold, True) if hold is not None else self._best(
             scheduler, now, sample, early, now - t0)
@@ -240,10 +266,14 @@ class CompositionController(CompositionRules):
                 return
             rec, self._made = recs[0], {r.epoch for r in recs}
             self._overload_at = now if self._chain else self._overload_at  # (made, not refused)
-            self._quiet_until = now if urgent else now + cfg.cooldown_s
-            if urgent:
+            if self._undoing:  # a step back ends the overload: its rule starts past the margin
+                self._overload_at = float("-inf")
+            # (the steps back from a split within `reverse_after_s` follow one another too)
+            self._quiet_until = now if urgent or self._undoing else now + cfg.cooldown_s
+            if urgent or self._undoing:
                 self._next_eval = now
-            self._last = (rec.kind, now)
+            if not self._undoing:  # (a split undone keeps its `reverse_after_s`: module doc)
+                self._last = (rec.kind, now)
             entry.update(kind=rec.kind, old=list(rec.old_ids),
                          new=[s.worker_id for s in rec.new_specs], epoch=rec.epoch,
                          further=[{"old": list(r.old_ids), "epoch": r.epoch, "new": [

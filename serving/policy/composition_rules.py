@@ -46,9 +46,11 @@ class CompositionRules:
         worker split); `overloaded` when the next
         evaluation comes once it is done (the overload rule's step, or a full comparison's that
         goes on as one; module doc). `early`: `(None, None, False)` for a load the module doc
-        keeps the schedule for. `elapsed`: seconds from the sample's first arrival to now."""
+        keeps the schedule for. `elapsed`: seconds from the sample's first arrival to now. Sets
+        `_undoing` when the change is a merge within `reverse_after_s` of a split (a step back
+        toward the target; module doc)."""
         cfg = self.config
-        self._vetoed = None
+        self._vetoed, self._undoing = None, False
         active = [w for w in scheduler.workers.values() if w.status is WorkerStatus.ACTIVE]
         if not active or len(active) != len(scheduler.workers):
             return None, [("stay", float("nan"))], False
@@ -75,8 +77,9 @@ class CompositionRules:
         for olds, news in candidate_changes(active, now, set(degrees), cfg, self.longest,
                                             self.max_input_len):
             kind = "split" if len(news) > len(olds) else "merge"
-            if last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s:
-                continue  # no undoing a change before `reverse_after_s` (no flapping)
+            undoes = last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s
+            if undoes and (kind == "split" or cached):
+                continue  # no undoing a merge (nor, with cached prefixes, a split) that soon
             if kind == "split" and kv_bound is not None and kv_bound >= 1.0:
                 continue  # the caches bind, not the compute: a split costs context (module doc)
             start = change_start(olds, news, now, cfg)
@@ -87,7 +90,7 @@ class CompositionRules:
             if unheld:
                 continue
             label = f"{kind} {[w.worker_id for w in olds]}"
-            options.append((ttft, label, olds, news, pool_load(comp, window, elapsed)))
+            options.append((ttft, label, olds, news, pool_load(comp, window, elapsed), undoes))
         figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
             options, key=lambda o: o[0])]
         if kv_bound is not None:
@@ -97,8 +100,10 @@ class CompositionRules:
             figures.append(("backlog to clear by the next evaluation / capacity", clear))
         if not options:
             return None, figures, False
-        if excess > over:  # overloaded: queues grow whatever the window shows; add capacity first
-            best = min(options, key=lambda o: o[4])
+        # a merge undoing a split within `reverse_after_s` is only a step toward the target
+        free_options = [o for o in options if not o[5]]
+        if excess > over and free_options:  # overloaded: queues grow; add capacity first
+            best = min(free_options, key=lambda o: o[4])
             # cut the excess `load - 1` (the queues' growth) by a fifth of the margin, or (only
             # the backlog left) lower the load; a first step no worse than staying (module doc)
             if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
@@ -118,7 +123,8 @@ class CompositionRules:
                 return ops, figures, True
         if quiet:
             return None, figures, False
-        ttft, label, olds, news, after = min(options, key=lambda o: o[0])
+        ttft, label, olds, news, after, _ = min(free_options, key=lambda o: o[0], default=(
+            stay, None, None, None, load, False))
         if not (ttft < stay * (1 - cfg.min_gain) and stay - ttft >= cfg.min_gain_s):
             # One step may gain little where several do (overload on large workers): compare
             # every composition with the current one on equal terms (each worker starting with
@@ -130,8 +136,10 @@ class CompositionRules:
             figures += [("current, beyond the backlog", now_ttft - backlog),
                         (f"target {list(target)}, beyond the backlog", target_ttft - backlog)]
             # the step itself must gain too (a fifth of the margin): each one drains workers
+            # (a step back from a split leaves the load plus the backlog to clear at most 1:
+            # else the overload rule splits again at once)
             toward = [o for o in options if o[0] <= stay * (1 - cfg.min_gain / 5)
-                      and moves_toward(
+                      and (not o[5] or o[4] + clear <= 1.0) and moves_toward(
                           [w.cp_degree for w in active], [w.cp_degree for w in o[2]], o[3], target)]
             gain = now_ttft - target_ttft
             if not (gain > (now_ttft - backlog) * cfg.min_gain and gain >= cfg.min_gain_s):
@@ -141,11 +149,12 @@ class CompositionRules:
                     return None, figures, False
                 return self._jump(scheduler, active, target, now, stay, free, window, figures,
                                   excess, load, elapsed, len(sample))
-            ttft, label, olds, news, after = min(toward, key=lambda o: o[0])
+            ttft, label, olds, news, after, self._undoing = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
-        horizon = self._loses_on_horizon(scheduler, active, olds, news, now, len(sample),
-                                         figures)
+        horizon = self._loses_on_horizon(  # (a step back: on all of the last reverse_after_s)
+            scheduler, active, olds, news, now, len(sample), figures,
+            self._since if self._undoing else self._horizon)
         if horizon is not None:
             self._vetoed = (f"{label} beats staying by the margin on the window but not on "
                             f"{horizon}")
@@ -160,7 +169,8 @@ class CompositionRules:
         """`_best`'s answer when no single step toward `target` gains: the splits that make it,
         at once (`target_splits`), if predicted to gain a fifth of the margin over staying and,
         with the load at most 1, not to lose on the horizon (module doc); never within
-        `reverse_after_s` of a merge, into more than halves without `config.deep_splits`, or
+        `reverse_after_s` of a merge (a step back from a split is none: `_last` stays the
+        split), into more than halves without `config.deep_splits`, or
         leaving no worker able to hold `longest`. `(ops, figures, overloaded)` as `_best` (`ops`
         None, or one split per worker changed). `free`: worker id -> seconds of outstanding
         work; `window_len`: the window's arrivals."""
@@ -190,18 +200,21 @@ class CompositionRules:
         return ops, figures, excess > 1.0 and pool_load(degrees, window, elapsed) < load
 
     def _loses_on_horizon(self, scheduler, active, olds, news, now: float, window_len: int,
-                          figures: list) -> str | None:
+                          figures: list, arrivals=None) -> str | None:
         """None if the change (`olds` replaced by workers of degrees `news`) does not lose to
         staying on the arrivals of the last `reverse_after_s` (at most the `4 * max_samples`
         most recent) replayed from idle workers (`composition_horizon`; `HorizonReplay.loses`),
         else those arrivals ("the last N arrivals (S s)"). A change stands that long, and a
         passing burst's window predicts a gain later arrivals do not give (a CP-8 split for a
         burst of long documents; eval/RESULTS.md). None when the horizon holds no more
-        arrivals than the window. Not for the overload rule (its queues grow regardless)."""
+        arrivals than the window. Not for the overload rule (its queues grow regardless).
+        `arrivals`: `(time s, input tokens, cached tokens)`, sorted, to weigh on instead of the
+        horizon (a step back from a split: every arrival of the last `reverse_after_s` kept)."""
         current = [w.cp_degree for w in active]
-        h = replay_horizon(self._horizon, current, [w.cp_degree for w in active if w not in olds]
-                           + list(news), now, window_len, self.config,
-                           scheduler.cost_model.predict, self.max_input_len)
+        h = replay_horizon(self._horizon if arrivals is None else arrivals, current,
+                           [w.cp_degree for w in active if w not in olds] + list(news), now,
+                           window_len, self.config, scheduler.cost_model.predict,
+                           self.max_input_len)
         if h is None:
             return None
         figures += [(f"stay, {h.span} from idle workers", h.stay),

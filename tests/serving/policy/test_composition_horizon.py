@@ -27,7 +27,8 @@ def _horizon_case(length, gap, n):
 
 
 def test_a_change_must_not_lose_on_the_horizon_it_stands_for():
-    # A change stands `reverse_after_s` (600 s; no undoing it sooner), so besides the window it
+    # A change stands `reverse_after_s` (600 s; a split is undone sooner only toward a better
+    # target: test_composition_undo.py), so besides the window it
     # is weighed on the last 600 s of arrivals, replayed from idle workers. [8, 8] after 30K-
     # token prompts every 0.5 s: the two CP-8 take turns (T8 = 0.77 s < 1 s apart), no prompt
     # waits, staying's mean TTFT is T8 exactly. Split one: the one CP-8 left is busy when the
