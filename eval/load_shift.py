@@ -72,10 +72,8 @@ def controller_changes(system) -> list[dict] | None:
                 if isinstance(getattr(f, "__self__", None), CompositionController)), None)
     if ctl is None:
         return None
-    keys = ("time", "kind", "old", "new", "epoch", "further", "chosen", "reason")
-    return [{**{k: d[k] for k in keys}, "candidates": [
-                [label, v if math.isfinite(v) else None] for label, v in d["candidates"]]}
-            for d in ctl.decisions if d.get("kind")]
+    keys = ("time", "kind", "old", "new", "epoch", "further", "chosen", "reason", "candidates")
+    return [{k: d[k] for k in keys} for d in ctl.log(changes_only=True)]
 
 
 def run(heavy_rates, light_rate: float, light_s: float, heavy_s: float,

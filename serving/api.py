@@ -3,7 +3,8 @@
 Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`,
 `POST /tokenize`, `POST /detokenize`, `GET /version` (as vLLM's, `serving.api_tokens`),
 `GET` / `DELETE /v1/kv/{request_id}` (the P/D hand-off's KV read API, `serving.api_kv`),
-`GET /v1/workers`, and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
+`GET /v1/workers`, `GET /v1/controller` (the split/merge controller's latest evaluations,
+`serving.api_controller`), and the admin ones `POST /v1/workers/split`, `POST /v1/workers/merge`,
 `POST /reset_prefix_cache` (as vLLM's). Errors use OpenAI's
 body `{"error": {"message", "type", "param", "code"}}`; every validation error is a 400 naming
 the field (`param`; `body` when the body itself cannot be parsed). With an API key, every
@@ -15,8 +16,9 @@ Status codes: 200; 400 a bad request (named field); 401 / 403 keys; 404 unknown 
 408 body too slow; 409 a split or merge refused (waiting requests need the workers it would
 remove) or a prefix-cache reset while busy; 413 body too large; 429 overloaded (`Retry-After`);
 503 shutting down, no worker of the current composition can hold a valid prompt, or the host
-running the prefill was lost (`Retry-After`); 500 a failed prefill. A client that disconnects while its prompt waits has it
-withdrawn (`vertumnus:request_aborted_total`); one already running finishes unseen.
+running the prefill was lost (`Retry-After`); 500 a failed prefill. A client that disconnects
+while its prompt waits has it withdrawn (`vertumnus:request_aborted_total`); one already
+running finishes unseen.
 
 A completion's response carries the first token (greedy), `usage` with
 `prompt_tokens_details.cached_tokens`, where it ran (`worker_id`, `cp_degree`, `epoch`), its
@@ -44,6 +46,7 @@ from serving.engine import (RECONFIG_LOG_LIMIT, ClientDisconnected, Completion, 
                             Overloaded, ShuttingDown)
 from serving.api_chat import (CHATML_TEMPLATE, ChatCompletionRequest, ChatTemplate, chat_answer,
                               chat_chunks, chat_prompt_ids)
+from serving.api_controller import add_controller_routes
 from serving.api_kv import add_kv_routes, hold_ids, kv_transfer_params
 from serving.api_stream import streaming_response
 from serving.api_tokens import add_token_routes, check_token_ids
@@ -330,6 +333,7 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
                                 f"{', '.join(map(repr, names))}", "model", "not_found_error")
 
     add_kv_routes(app, engine=engine, model_name=names[0], error=ApiError)
+    add_controller_routes(app, engine=engine, error=ApiError)
     add_token_routes(app, tokenizer=tokenizer, vocab_size=vocab_size,
                      max_model_len=engine.max_prompt_len, check_model=check_model,
                      error=ApiError, chat_ids=lambda messages, generation, special:

@@ -62,9 +62,13 @@ _BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def error_field(loc, indexed: bool = False) -> str:
-    """The request field an error is about: its top-level name, `body` for the body itself;
-    with `indexed`, its full path for the message (`parts[1]`, `messages[0].role`), pydantic's
-    union branch tags in it (`str`, `list[int]`, a model's class name) dropped."""
+    """The request field an error is about: its top-level name (a query or path parameter's
+    own name), `body` for the body itself; with `indexed`, its full path for the message
+    (`parts[1]`, `messages[0].role`), pydantic's union branch tags in it (`str`, `list[int]`, a
+    model's class name) dropped."""
+    loc = tuple(loc)
+    if loc[:1] in (("query",), ("path",)):
+        loc = loc[1:]
     parts = [p for p in loc if p != "body"]
     if not parts:
         return "body"

@@ -100,6 +100,8 @@ arrivals weighed at the smallest degree, changes under overload). `choose_initia
 
 from __future__ import annotations
 
+import copy
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -295,6 +297,24 @@ class CompositionController(CompositionRules):
             self._plan_stay = stay
             self._replan_at = pool_backlog(scheduler.workers.values(), now) + stay
         self._log(entry)
+
+    def log(self, limit: int = DECISIONS_KEPT, changes_only: bool = False) -> list[dict]:
+        """The latest `limit` evaluations of `decisions` (with `changes_only`, of those that
+        made a change), oldest first, as strict JSON (`GET /v1/controller`,
+        `eval.load_shift`): each a deep copy, its `candidates` `[label, figure]` lists with a
+        figure that is NaN or infinite as None (a refused prompt's merge, a composition that
+        holds no request).
+
+        Raises:
+          ValueError: `limit` not an integer in [0, DECISIONS_KEPT].
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or \
+                not 0 <= limit <= DECISIONS_KEPT:
+            raise ValueError(f"limit must be an integer in [0, {DECISIONS_KEPT}], got {limit!r}")
+        kept = [d for d in list(self.decisions) if d.get("kind") or not changes_only]
+        return [{**copy.deepcopy(d), "candidates": [[label, v if math.isfinite(v) else None]
+                                     for label, v in d["candidates"]]}
+                for d in kept[max(0, len(kept) - limit):]] if limit else []
 
     def _log(self, entry: dict) -> None:
         """Appends `entry` to `decisions`, keeping the `DECISIONS_KEPT` most recent."""
