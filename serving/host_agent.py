@@ -88,6 +88,15 @@ class _Outcomes:
         self._resolve(("recarve", epoch), RecarveRefused(
             f"the device pool refused the re-carve of epoch {epoch}; nothing changed"))
 
+    def lose_workers(self, worker_ids, now, reason) -> None:
+        """A re-carve failed once its KV move retired an old worker (`serving.live_recarve`):
+        every re-carve the pool waits on here is answered with the failure (a RuntimeError
+        naming `reason`), and the pool starts this host afresh (`RayBackend.recarve`)."""
+        with self._lock:
+            keys = [k for k in self._futures if k[0] == "recarve"]
+        for key in keys:
+            self._resolve(key, RuntimeError(reason))
+
     def finish(self, replication, now, inserted, evicted) -> None:
         self._resolve(("copy", id(replication)), (tuple(inserted), tuple(evicted)))
 

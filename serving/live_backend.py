@@ -17,7 +17,9 @@ under the new striping (`vertumnus_jax.recarve`; a split into more than two part
 repeatedly within the one re-carve, `vertumnus_jax.recarve_parts`), every rank of each new
 worker is marked ready in the `DevicePool`, the new epoch is committed, and only then does the
 scheduler see the new workers (`finish_reconfiguration`); a change the `DevicePool` refuses
-changed nothing and is given up (`abandon_reconfiguration`: the old workers serve again). A
+changed nothing and is given up (`abandon_reconfiguration`: the old workers serve again), and
+one that fails once the KV move retired an old worker takes the old workers out of the pool
+(`lose_workers`; `serving.live_recarve`). A
 replica is reported only after its copy has completed; a reclaimed prefix leaves the index
 only after its blocks were freed.
 
@@ -37,14 +39,14 @@ import threading
 from collections.abc import Callable, Sequence
 
 from mesh import DevicePool, ParamReplicas, worker_mesh
+from serving import live_recarve
 from serving.background_errors import BackgroundErrors
 from serving.kv_handoff import KVHandOff
 from serving.kv_hold import KVHolds
 from serving.policy.backend import PrefillResult
 from serving.policy.request import Request
 from vertumnus_jax import OutOfBlocksError, Worker, prefill_request, release_request
-from vertumnus_jax.recarve import merge_workers, reclaim_prefix, replicate_prefix
-from vertumnus_jax.recarve_parts import split_worker_into
+from vertumnus_jax.recarve import reclaim_prefix, replicate_prefix
 
 _log = logging.getLogger(__name__)
 
@@ -227,78 +229,10 @@ class LiveBackend:
         self._expiring = self._hold_thread.submit(self.handoff.expire, now)
 
     def recarve(self, reconfiguration, now: float) -> None:
-        """Splits or merges the drained workers on the re-carve thread (see module doc)."""
-        rec = reconfiguration
-        olds = [self.workers[w] for w in rec.old_ids]
-        locks = [self._locks[w] for w in sorted(rec.old_ids)]  # one global order: by worker id
-
-        def run():
-            for lock in locks:
-                lock.acquire()
-            try:
-                for wid, old in zip(rec.old_ids, olds):  # the re-carve wants idle workers
-                    self.handoff.offload(wid, old)
-                change = None
-                try:
-                    if rec.kind == "split":
-                        specs = sorted(rec.new_specs, key=lambda s: s.first_device)
-                        change = self.pool.begin_split(rec.old_ids[0],
-                                                       new_ids=tuple(s.worker_id for s in specs),
-                                                       parts=tuple(s.cp_degree for s in specs))
-                    else:
-                        change = self.pool.begin_merge(*rec.old_ids,
-                                                       new_id=rec.new_specs[0].worker_id)
-                    meshes = [self._mesh(g) for g in change.new_groups]
-                except Exception as e:  # refused before any KV moved: undone, given up
-                    if change is not None:
-                        self.pool.abort(change)
-                    self.errors.append(f"re-carve of epoch {rec.epoch} refused by the device "
-                                       f"pool, old workers kept: {type(e).__name__}: {e}")
-                    self._post(lambda: self._give_up(rec.epoch))
-                    return
-                try:
-                    if rec.kind == "split":  # (halves, or more parts in one re-carve)
-                        workers, _ = split_worker_into(olds[0], meshes, replicas=self.replicas)
-                    else:
-                        merged, _ = merge_workers(olds[0], olds[1], meshes[0],
-                                                  replicas=self.replicas)
-                        workers = (merged,)
-                except Exception as e:  # keep serving: the new workers start with empty caches
-                    self.errors.append(f"KV move of epoch {rec.epoch} failed, new workers start "
-                                       f"cold: {type(e).__name__}: {e}")
-                    workers = tuple(self._worker_on(m) for m in meshes)
-                new = dict(zip(change.new_ids, workers))
-                for wid, worker in new.items():
-                    for rank in range(worker.cp_degree):
-                        change.mark_ready(wid, rank)
-                self.pool.commit(change)
-            except Exception as e:
-                self.errors.append(f"re-carve of epoch {rec.epoch} failed: {type(e).__name__}: {e}")
-                raise
-            finally:
-                for lock in locks:
-                    lock.release()
-
-            def finish():
-                for wid in rec.old_ids:
-                    self._remove(wid)
-                for wid, worker in new.items():
-                    self._add(wid, worker)
-                    worker.cache.drain_events()  # the new workers report their holdings whole
-                cached = {wid: list(w.cached_hashes()) for wid, w in new.items()}
-                self.scheduler.finish_reconfiguration(rec.epoch, self._clock(), cached)
-
-            self._post(finish)
-
-        self._recarver.submit(run)
-
-    def _give_up(self, epoch: int) -> None:
-        """A change the device pool refused: the scheduler gives it up, unless a lost worker
-        already made it (`Scheduler.abandon_reconfiguration`; a host agent's stand-in
-        scheduler, which has no `reconfig`, reports it to the pool's)."""
-        reconfig = getattr(self.scheduler, "reconfig", None)
-        if reconfig is None or epoch in reconfig.in_progress:
-            self.scheduler.abandon_reconfiguration(epoch, self._clock())
+        """Splits or merges the drained workers on the re-carve thread (`serving.live_recarve`;
+        a failure gives the change up or, once the KV move retired an old worker, takes the
+        old workers out of the pool: never left in progress)."""
+        live_recarve.recarve(self, reconfiguration)
 
     def replicate(self, replication, now: float) -> None:
         """Copies the missing blocks on the destination's executor; visible once copied. A copy
@@ -337,7 +271,8 @@ class LiveBackend:
         worker = self.workers.get(worker_id)
         chain = tuple(chain)
         if worker is None:
-            self._post(lambda: self.scheduler.copies.finish_reclaim(worker_id, chain, self._clock(), ()))
+            self._post(lambda: self.scheduler.copies.finish_reclaim(worker_id, chain,
+                                                                    self._clock(), ()))
             return
         lock = self._locks[worker_id]
 

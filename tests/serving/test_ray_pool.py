@@ -303,3 +303,48 @@ def test_a_refused_re_carve_reaches_the_pool_as_refused():
     assert all(w.status.value == "active" for w in s.workers.values())
     assert backend.hosts[0].state == "alive" and sorted(backend.workers) == [0, 1]
     assert any("refused, old workers kept" in e for e in backend.errors), list(backend.errors)
+
+
+def test_a_re_carve_failed_after_its_kv_move_starts_the_host_afresh():
+    # A host's re-carve that failed once its KV move retired an old worker
+    # (`serving.live_recarve`): the agent's LiveBackend takes the old workers out of its
+    # stand-in scheduler (`lose_workers`), which answers every re-carve the pool waits on with
+    # the failure (an exception), not with a wait without end; the pool then loses the host and
+    # starts it afresh (`RayBackend.recarve`), the change no longer in progress.
+    from serving.host_agent import _Outcomes
+
+    outcomes = _Outcomes()
+    waits = [outcomes.expect(("recarve", 3)), outcomes.expect(("recarve", 4))]
+    prefill = outcomes.expect(("prefill", "r1"))
+    outcomes.lose_workers([0], 0.0, "re-carve of epoch 3 failed: for the test")
+    for w in waits:
+        failed = w.result(timeout=1)
+        assert type(failed) is RuntimeError and "epoch 3 failed: for the test" in str(failed)
+    assert not prefill.done()
+
+    from serving.policy.router import LeastWorkRouter
+    from serving.policy.scheduler import Scheduler
+    from serving.policy.worker import layout_workers, split_halves
+    from serving.ray_backend import RayBackend
+    from serving.ray_state import HostState
+    from tests.serving.policy.scheduler_fixtures import MsCost
+
+    class Ref:
+        def future(self):
+            return waits[0]
+
+    class Agent:
+        class recarve:  # noqa: N801 (`agent.recarve.remote(rec)`, as a Ray actor method)
+            remote = staticmethod(lambda rec: Ref())
+
+    specs = layout_workers([4, 4], 10, 1000)
+    backend = RayBackend([HostState(0, Agent(), (4, 4), state="alive")], specs,
+                         devices_per_host=8, post=lambda fn: fn(), clock=lambda: 1.0,
+                         kv_blocks_per_device=10, max_input_len=lambda c: 1000)
+    s = Scheduler(specs, MsCost(), LeastWorkRouter(), backend)
+    backend.scheduler = s
+    s.begin_reconfiguration("split", [0], split_halves(specs[0], s.new_worker_ids(2),
+                                                       lambda c: 1000), 0.0)
+    assert not s.reconfig.in_progress and backend.hosts[0].state == "dead"
+    assert s.workers == {} and backend.workers == {}
+    assert any("epoch 3 failed: for the test" in e for e in backend.errors), list(backend.errors)
