@@ -10,14 +10,16 @@ the epoch is committed, and only then does the scheduler see the new workers
 
 Failures end the change one way or the other, never leaving it in progress (a change in
 progress holds its workers' devices and the controller's next change):
-- refused by the device pool, or failing before any KV moved: the pool's change is dropped and
-  the scheduler gives it up (`Scheduler.abandon_reconfiguration`): the old workers serve again;
-- failing after the move retired an old worker (the cold new workers could not be built either,
-  or the commit failed): the pool's change is dropped and the old workers leave the pool as a
-  lost host's do (`Scheduler.lose_workers`: their queues placed again, their blocks out of the
-  index); their devices stay idle until the server restarts. A host agent's stand-in scheduler
-  answers its pool with the failure, and the pool starts that host afresh
-  (`serving.ray_backend`).
+- refused by the device pool, or failing while every old worker is intact (the KV move retires
+  them before it donates the first of their buffers, `vertumnus_jax.recarve`): the pool's
+  change is dropped and the scheduler gives it up (`Scheduler.abandon_reconfiguration`): the
+  old workers serve again;
+- failing once the move retired the old workers (the cold new workers could not be built
+  either, or the commit failed): the pool's change is dropped and the old workers leave the
+  pool as a lost host's do (`Scheduler.lose_workers`: their queues placed again, their blocks
+  out of the index); their devices stay idle until the server restarts (the pool's
+  `DevicePool` still lists their groups). A host agent's stand-in scheduler answers its pool
+  with the failure, and the pool starts that host afresh (`serving.ray_backend`).
 Each failure is logged in `LiveBackend.errors`.
 """
 
@@ -52,7 +54,7 @@ def recarve(backend, rec) -> None:
                                                       new_id=rec.new_specs[0].worker_id)
                 meshes = [backend._mesh(g) for g in change.new_groups]
             except Exception as e:  # refused before any KV moved: undone, given up
-                _end_failed(backend, rec, olds, change, "refused by the device pool, old "
+                _end_failed(backend, rec, olds, change, "refused before any KV moved, old "
                             f"workers kept: {type(e).__name__}: {e}")
                 return
             try:

@@ -126,8 +126,10 @@ def _weight_bytes_moved(olds, new_params) -> int:
 
 
 def _carve(olds: Sequence[Worker], targets, meshes, params, dropped, blocks, start) -> tuple:
-    """Moves the blocks, builds the new workers, retires the old ones; returns (workers,
-    stats)."""
+    """Retires the old workers, moves the blocks, builds the new workers; returns (workers,
+    stats). The old workers are retired before the first of their buffers is donated, so a
+    failure from there on leaves them retired, never in use with deleted buffers
+    (`serving.live_recarve` takes such workers out of the pool)."""
     w0 = olds[0]
     nb = w0.cache.num_blocks
     layouts, moves = plan(blocks, targets, nb)
@@ -136,6 +138,8 @@ def _carve(olds: Sequence[Worker], targets, meshes, params, dropped, blocks, sta
         ks, vs = w.pool.device_buffers()
         buffers.update({d: (k, v) for d, k, v in zip(w.devices, ks, vs)})
     weight_moved = _weight_bytes_moved(olds, params)
+    for w in olds:  # from the first donated buffer on, the old workers are gone
+        w.retire("split" if len(targets) == 2 else "merge")
     out = move_blocks(buffers, moves)
     news = []
     for (devices, _), mesh, p, ids in zip(targets, meshes, params, layouts):
@@ -145,8 +149,6 @@ def _carve(olds: Sequence[Worker], targets, meshes, params, dropped, blocks, sta
             params=p, kv_buffers=([out[d][0] for d in devices], [out[d][1] for d in devices]),
             cache=build_cache(blocks, ids, nb, len(devices)), executables=w0.executables))
     jax.block_until_ready([(w.pool.k, w.pool.v) for w in news])
-    for w in olds:
-        w.retire("split" if len(news) == 2 else "merge")
     nbytes = block_bytes(w0.config, w0.block_size)
     stats = MoveStats(len(moves), len(moves) * nbytes, sum(map(len, layouts)) - len(moves),
                       weight_moved, time.perf_counter() - start, tuple(dropped),

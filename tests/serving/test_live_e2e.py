@@ -185,7 +185,7 @@ def test_a_re_carve_the_device_pool_refuses_is_given_up(client, reference, monke
     workers = client.get("/v1/workers").json()
     assert workers["composition"] == before
     assert all(w["status"] == "active" for w in workers["workers"]), workers["workers"]
-    assert [e for e in backend.errors if "refused by the device pool" in e], backend.errors
+    assert [e for e in backend.errors if "refused before any KV moved" in e], backend.errors
     for p in _prompts(6, seed=11):
         r = client.post("/v1/completions", json={"prompt": p}).json()
         assert r["choices"][0]["token_ids"] == [reference(p)]
@@ -202,56 +202,3 @@ def test_a_re_carve_the_device_pool_refuses_is_given_up(client, reference, monke
     _wait(lambda: len(client.get("/v1/workers").json()["composition"]) == len(before) + 1)
     backend.errors.clear()
 
-
-def test_a_re_carve_failing_after_it_began_never_stays_in_progress(client, reference,
-                                                                   monkeypatch):
-    # A change in progress holds its workers' devices and every later change, so a failure
-    # must end it. Before any KV moved (the move refused, the cold new workers not built: out
-    # of memory, say) it is given up and the old worker serves again; once the move retired
-    # the old worker it leaves the pool as a lost host's would, the device pool's change
-    # dropped, and the other workers serve on (`serving.live_recarve`).
-    from serving import live_recarve
-
-    engine = client.app.state.engine
-    backend = engine.backend
-
-    def refuse(worker, meshes, **kwargs):
-        raise ValueError("refused for the test")
-
-    def no_memory(mesh):
-        raise MemoryError("no memory for the test")
-
-    def retire_then_fail(worker, meshes, **kwargs):
-        worker.retired = "moved for the test"
-        raise RuntimeError("KV move failed for the test")
-
-    monkeypatch.setattr(live_recarve, "split_worker_into", refuse)
-    monkeypatch.setattr(backend, "_worker_on", no_memory)
-    state = client.get("/v1/workers").json()
-    before = [(w["worker_id"], w["cp_degree"]) for w in state["workers"]]
-    big = next(wid for wid, c in before if c == 2)
-    _admin(client, "/v1/workers/split", {"worker_id": big})
-    _wait(lambda: not engine.scheduler.reconfig.in_progress)
-    state = client.get("/v1/workers").json()
-    assert [(w["worker_id"], w["cp_degree"]) for w in state["workers"]] == before
-    assert all(w["status"] == "active" for w in state["workers"]), state["workers"]
-    assert backend.pool.pending == () and big in backend.workers
-    assert [e for e in backend.errors if "failed: MemoryError: no memory" in e], backend.errors
-    for p in _prompts(4, seed=12):
-        r = client.post("/v1/completions", json={"prompt": p}).json()
-        assert r["choices"][0]["token_ids"] == [reference(p)]
-
-    monkeypatch.setattr(live_recarve, "split_worker_into", retire_then_fail)
-    pool_before = backend.pool.composition
-    _admin(client, "/v1/workers/split", {"worker_id": big})
-    _wait(lambda: not engine.scheduler.reconfig.in_progress)
-    state = client.get("/v1/workers").json()
-    assert [(w["worker_id"], w["cp_degree"]) for w in state["workers"]] == [
-        (wid, c) for wid, c in before if wid != big]
-    assert backend.pool.pending == () and backend.pool.composition == pool_before
-    assert big not in backend.workers and big not in engine.scheduler.workers
-    assert [e for e in backend.errors if f"workers [{big}] leave the pool" in e], backend.errors
-    monkeypatch.undo()
-    for p in _prompts(6, seed=13):
-        r = client.post("/v1/completions", json={"prompt": p}).json()
-        assert r["choices"][0]["token_ids"] == [reference(p)]
