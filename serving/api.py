@@ -229,6 +229,9 @@ def create_app(engine: Engine, *, tokenizer, model_name: str, vocab_size: int,
     async def health():
         if engine.scheduler is None:
             raise ApiError(503, "the engine is not started", None, "service_unavailable")
+        if not engine.scheduler.workers:  # (every worker lost: no prompt can be served)
+            raise ApiError(503, "the pool has no worker left (every one was lost)", None,
+                           "service_unavailable")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -93,6 +93,19 @@ def test_models_health_workers(client):
     assert [x["kv_blocks_total"] for x in w["workers"]] == [256, 128, 128]
 
 
+def test_health_without_a_worker_left():
+    # Every worker lost (hosts dead, failed re-carves): no prompt can be served, so the
+    # health check says so (503), as a load balancer wants it.
+    client, engine = make_client()
+    with client:
+        ids = sorted(engine.scheduler.workers)
+        engine.scheduler.lose_workers(ids[:2], engine.now(), "lost for the test")
+        assert client.get("/health").status_code == 200  # (one left)
+        engine.scheduler.lose_workers(ids[2:], engine.now(), "lost for the test")
+        r = client.get("/health")
+        assert r.status_code == 503 and "no worker left" in r.json()["error"]["message"]
+
+
 def test_metrics_parse_and_count(client):
     cached = 0
     for i in range(3):
