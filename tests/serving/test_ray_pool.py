@@ -276,29 +276,7 @@ def test_a_refused_re_carve_reaches_the_pool_as_refused():
     assert isinstance(refused, RecarveRefused) and "epoch 3" in str(refused)
 
     # the head's side, with a stand-in actor answering the re-carve that way at once
-    from serving.policy.router import LeastWorkRouter
-    from serving.policy.scheduler import Scheduler
-    from serving.policy.worker import layout_workers, split_halves
-    from serving.ray_backend import RayBackend
-    from serving.ray_state import HostState
-    from tests.serving.policy.scheduler_fixtures import MsCost
-
-    class Ref:
-        def future(self):
-            return future
-
-    class Agent:
-        class recarve:  # noqa: N801 (`agent.recarve.remote(rec)`, as a Ray actor method)
-            remote = staticmethod(lambda rec: Ref())
-
-    specs = layout_workers([4, 4], 10, 1000)
-    backend = RayBackend([HostState(0, Agent(), (4, 4), state="alive")], specs,
-                         devices_per_host=8, post=lambda fn: fn(), clock=lambda: 1.0,
-                         kv_blocks_per_device=10, max_input_len=lambda c: 1000)
-    s = Scheduler(specs, MsCost(), LeastWorkRouter(), backend)
-    backend.scheduler = s
-    s.begin_reconfiguration("split", [0], split_halves(specs[0], s.new_worker_ids(2),
-                                                       lambda c: 1000), 0.0)
+    s, backend = _split_answered_by(future)
     assert not s.reconfig.in_progress and s.composition == [4, 4]
     assert all(w.status.value == "active" for w in s.workers.values())
     assert backend.hosts[0].state == "alive" and sorted(backend.workers) == [0, 1]
@@ -322,6 +300,16 @@ def test_a_re_carve_failed_after_its_kv_move_starts_the_host_afresh():
         assert type(failed) is RuntimeError and "epoch 3 failed: for the test" in str(failed)
     assert not prefill.done()
 
+    s, backend = _split_answered_by(waits[0])
+    assert not s.reconfig.in_progress and backend.hosts[0].state == "dead"
+    assert s.workers == {} and backend.workers == {}
+    assert any("epoch 3 failed: for the test" in e for e in backend.errors), list(backend.errors)
+
+
+def _split_answered_by(future):
+    """A head (`RayBackend` over one stand-in host of [4, 4] and its `Scheduler`) whose
+    host agent answers a re-carve with `future` (already resolved); splits worker 0 and
+    returns `(scheduler, backend)`."""
     from serving.policy.router import LeastWorkRouter
     from serving.policy.scheduler import Scheduler
     from serving.policy.worker import layout_workers, split_halves
@@ -331,7 +319,7 @@ def test_a_re_carve_failed_after_its_kv_move_starts_the_host_afresh():
 
     class Ref:
         def future(self):
-            return waits[0]
+            return future
 
     class Agent:
         class recarve:  # noqa: N801 (`agent.recarve.remote(rec)`, as a Ray actor method)
@@ -345,6 +333,4 @@ def test_a_re_carve_failed_after_its_kv_move_starts_the_host_afresh():
     backend.scheduler = s
     s.begin_reconfiguration("split", [0], split_halves(specs[0], s.new_worker_ids(2),
                                                        lambda c: 1000), 0.0)
-    assert not s.reconfig.in_progress and backend.hosts[0].state == "dead"
-    assert s.workers == {} and backend.workers == {}
-    assert any("epoch 3 failed: for the test" in e for e in backend.errors), list(backend.errors)
+    return s, backend
