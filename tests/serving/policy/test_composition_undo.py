@@ -179,3 +179,87 @@ def test_the_arrivals_kept_are_those_of_the_last_reverse_after_s():
     n = 2 * SINCE_KEPT + 5
     assert kept(CompositionConfig(max_samples=2), [float(t) for t in range(n)]) == [
         float(t) for t in range(5, n)]
+
+
+def _step_back_best(monkeypatch, *, loses_after_the_window=False, outstanding=0.0, load=None):
+    """`_best` on four CP-4 a minute after a split, a target of two CP-8 better by the margin,
+    the replay stubbed to favour CP-8 on the window (40 arrivals) and, with
+    `loses_after_the_window`, to disfavour it on longer arrivals (the last `reverse_after_s`
+    kept: 160); `outstanding` seconds queued on each worker, `load` (the load with a CP-8, the
+    load without) stubbing `pool_load`. Returns the controller and `_best`'s ops."""
+    from serving.policy.scheduler import Scheduler
+    from tests.serving.policy.scheduler_fixtures import Backend
+    import serving.policy.composition_horizon as composition_horizon
+    sched = Scheduler(layout_workers([4, 4, 4, 4], 10_000, 100_000), COST, VertumnusRouter(),
+                      Backend())
+    for w in sched.workers.values():
+        w.queued_seconds = outstanding
+
+    def replay(comp, window, *a):
+        if loses_after_the_window and len(window.arrivals) > 40:
+            return (2.0 if 8 in comp else 1.0, 0)
+        return (0.5 if 8 in comp else 1.0, 0)
+    monkeypatch.setattr(composition_rules, "replay_ttft", replay)
+    monkeypatch.setattr(composition_horizon, "replay_ttft", replay)
+    monkeypatch.setattr(composition_rules, "target_of", lambda *a: ((8, 8), 0.5, 1.0, 0.0))
+    if load is not None:
+        monkeypatch.setattr(composition_rules, "pool_load",
+                            lambda comp, *a: load[0] if 8 in comp else load[1])
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+    ctl._last = ("split", 40.0)
+    ctl._since.extend([(20.0 + 0.5 * i, 1500, 0) for i in range(160)])
+    sample = [(0.1 * i, 1000 + 500 * (i % 4), 0) for i in range(40)]
+    ops, _, _ = ctl._best(sched, 100.0, sample, False, 4.0)
+    return ctl, ops and [(k, old) for k, old, _ in ops]
+
+
+def test_a_step_back_that_loses_on_the_last_reverse_after_s_is_not_made(monkeypatch):
+    # The real horizon check on the arrivals kept (`_since`, 160, more than the window's 40):
+    # a step back the window prefers but those arrivals do not is refused, and says why.
+    ctl, ops = _step_back_best(monkeypatch)
+    assert ops == [("merge", [0, 1])] and ctl._undoing
+    monkeypatch.undo()
+    ctl, ops = _step_back_best(monkeypatch, loses_after_the_window=True)
+    assert ops is None
+    assert "not on the last 160 arrivals (80 s)" in ctl._vetoed, ctl._vetoed
+
+
+def test_a_step_back_counts_the_backlog_to_clear_after_an_overload(monkeypatch):
+    # Within `reverse_after_s` of the overload rule's step the backlog to clear by the next
+    # evaluation counts (`pool_backlog / interval_s`): a step back leaving the load at 0.95
+    # is made with no backlog, refused with one of 0.1 of capacity (3 s queued everywhere).
+    cfg = CompositionConfig()
+    _, ops = _step_back_best(monkeypatch, load=(0.95, 0.8))
+    assert ops == [("merge", [0, 1])]
+    monkeypatch.undo()
+
+    real = CompositionController.__init__
+
+    def overloaded(self, *a, **k):  # (the overload rule's step made 30 s ago)
+        real(self, *a, **k)
+        self._overload_at = 70.0
+    monkeypatch.setattr(CompositionController, "__init__", overloaded)
+    _, ops = _step_back_best(monkeypatch, load=(0.95, 0.8), outstanding=0.1 * cfg.interval_s)
+    assert ops is None
+    monkeypatch.undo()
+    monkeypatch.setattr(CompositionController, "__init__", overloaded)
+    _, ops = _step_back_best(monkeypatch, load=(0.85, 0.8), outstanding=0.1 * cfg.interval_s)
+    assert ops == [("merge", [0, 1])]
+
+
+def test_a_step_back_ends_the_overload(monkeypatch):
+    # After the burst's split and the overload rule's steps, the first step back resets the
+    # rule's start (`_overload_at`): it starts again only past its margin, 1 + `min_gain`.
+    seen = []
+    real_tick = CompositionController.tick
+
+    def tick(self, scheduler, now):
+        before = len([d for d in self.decisions if d.get("kind") == "merge"])
+        real_tick(self, scheduler, now)
+        if len([d for d in self.decisions if d.get("kind") == "merge"]) > before:
+            seen.append(self._overload_at)
+    monkeypatch.setattr(CompositionController, "tick", tick)
+    ctl, _ = run()
+    assert seen and all(t == -float("inf") for t in seen), seen
+    assert any(d.get("kind") == "split" and "overloaded" in d["reason"]
+               for d in ctl.decisions), [d["reason"] for d in ctl.decisions if d.get("kind")]
