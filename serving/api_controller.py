@@ -63,8 +63,7 @@ def add_controller_routes(app: FastAPI, *, engine, error) -> None:
         if isinstance(ctl, CompositionController):
             kind, log = "whatif", ctl.log(decisions, changes_only)
         else:  # the paper's: its changes only
-            kind, log = "paper", list(ctl.decisions)[max(0, len(ctl.decisions) - decisions):]
-            log = log if decisions else []
+            kind, log = "paper", ctl.decisions[max(0, len(ctl.decisions) - decisions):]
         return strict_json({"controller": kind, "config": dataclasses.asdict(ctl.config),
                             "now": engine.now(), "decisions": log,
                             "decisions_kept": len(ctl.decisions)})

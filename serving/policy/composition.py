@@ -311,10 +311,10 @@ class CompositionController(CompositionRules):
         if isinstance(limit, bool) or not isinstance(limit, int) or \
                 not 0 <= limit <= DECISIONS_KEPT:
             raise ValueError(f"limit must be an integer in [0, {DECISIONS_KEPT}], got {limit!r}")
-        kept = [d for d in list(self.decisions) if d.get("kind") or not changes_only]
+        kept = [d for d in self.decisions if d.get("kind") or not changes_only]
         return [{**copy.deepcopy(d), "candidates": [[label, v if math.isfinite(v) else None]
                                      for label, v in d["candidates"]]}
-                for d in kept[max(0, len(kept) - limit):]] if limit else []
+                for d in kept[max(0, len(kept) - limit):]]
 
     def _log(self, entry: dict) -> None:
         """Appends `entry` to `decisions`, keeping the `DECISIONS_KEPT` most recent."""
