@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from eval.paper import summary_tables
+import pytest
+
+from eval.paper import headline, summary_tables
+from eval.paper_setup import best_baseline
 
 
 def _row(system, rate, lf, mean, p90, slo, comp=(4, 4), final=(4, 4), reconf=()):
@@ -60,3 +63,37 @@ def test_every_workload_has_its_loads_and_the_papers_reduction():
     assert set(PAPER_REDUCTION) == names
     assert set(LOADS) == names | {"synthetic", "synthetic-prefix"}  # (+ eval.robustness' own)
     assert all(len(loads) == 4 and list(loads) == sorted(loads) for loads in LOADS.values())
+
+
+def test_the_best_baseline_failed_no_more_requests_than_ours():
+    def r(system, mean, failed):
+        return {"system": system, "mean_ttft_ms": mean, "failed": failed}
+
+    cp4, cp8, st = r("homogeneous-cp4", 1208.0, 46), r("homogeneous-cp8", 21577.0, 0), \
+        r("static-threshold", 115222.0, 0)
+    cell = [cp4, cp8, st, r("vertumnus-paper", 10.0, 0), r("sglang-cp4", None, 6015)]
+    # like for like: cp4's mean leaves out the 46 prompts it refused; ours' are not baselines,
+    # nor is a system without a mean
+    assert best_baseline(cell, r("vertumnus", 2335.0, 0)) == (cp8, cp4)
+    assert best_baseline(cell, r("vertumnus", 2335.0, 46)) == (cp4, None)
+    assert best_baseline(cell) == (cp4, None)  # (no result to hold them against)
+    # every baseline refused more than ours: those that refused fewest
+    fewer = [r("homogeneous-cp4", 500.0, 5), r("mooncake-cp4", 700.0, 3),
+             r("dynamo-cp4", 900.0, 3)]
+    assert best_baseline(fewer, r("vertumnus", 800.0, 0)) == (fewer[1], fewer[0])
+    assert best_baseline([r("vertumnus-fetch", 1.0, 0)], r("vertumnus", 1.0, 0)) == (None, None)
+    assert best_baseline([], None) == (None, None)
+
+
+def test_tables_name_a_faster_baseline_that_failed_more():
+    results = [{**_row("homogeneous-cp4", 3.0, 1.1, 1208.0, 2430.0, 0.4), "failed": 46},
+               {**_row("homogeneous-cp8", 3.0, 1.1, 21577.0, 33255.0, 0.1), "failed": 0},
+               {**_row("vertumnus", 3.0, 1.1, 2335.0, 3531.0, 0.3), "failed": 0}]
+    head = headline(results)
+    assert head["baseline"] == "homogeneous-cp8"
+    assert head["mean_ttft_reduction"] == pytest.approx(1 - 2335 / 21577)
+    md = summary_tables({"production/qwen3-32b/cp4-8": {"results": results, "headline": head}})
+    row = next(line for line in md if line.startswith("| production | qwen3-32b, cp4-8 | 1.1"))
+    assert row.startswith("| production | qwen3-32b, cp4-8 | 1.1 | 3.00 | `homogeneous-cp8` "
+                          "(faster: `homogeneous-cp4` 1208 ms, 46 failed) | 21577 | 2335 | "
+                          "-89.2% |")

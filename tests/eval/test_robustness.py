@@ -58,7 +58,30 @@ def test_cells_compare_with_the_best_baseline_per_load_and_count_the_line():
     got[1]["other_seeds"] = {1: -0.01}
     md = markdown(got)
     assert md[-1] == "1 of 2 cells within 2% of the best baseline, 0 below it."
-    assert "| p | m | 1.0 | `homogeneous-cp4` | 200 | 210 | +5.0% | 0, 0 | 1: -1.0% |" in md
+    assert "| p | m | 1.0 | `homogeneous-cp4` | 200 | 210 | +5.0% | 0, 0 | 1: -1.0% | - |" in md
+    assert [c["faster"] for c in got] == [None, None]
+
+
+def test_a_baseline_failing_more_requests_is_not_the_best_but_is_shown():
+    # issue 15's cells are like for like: on H100 homogeneous-cp4 refuses the 46 prompts of
+    # 98K tokens and more that no CP-4 worker holds (its mean leaves them out)
+    def r(system, ms, failed):
+        return {"system": system, "load_factor": 1.1, "mean_ttft_ms": ms, "failed": failed,
+                "request_rate": 3.0, "composition": [8] * 5, "final_composition": [8] * 5,
+                "reconfigurations": []}
+
+    results = [r("homogeneous-cp4", 1208.0, 46), r("homogeneous-cp8", 21577.0, 0),
+               r("static-threshold", 115222.0, 0), r("vertumnus", 2335.0, 0)]
+    (got,) = cells(results, "p", "m")
+    assert (got["best_baseline"], got["best_ms"], got["failed"]) == ("homogeneous-cp8", 21577.0,
+                                                                     [0, 0])
+    assert got["change"] == pytest.approx(2335 / 21577 - 1)
+    assert got["faster"] == {"system": "homogeneous-cp4", "mean_ttft_ms": 1208.0, "failed": 46,
+                             "change": pytest.approx(2335 / 1208 - 1)}
+    md = markdown([got])
+    assert md[2].endswith("| -89.2% | 0, 0 | - | `homogeneous-cp4`: +93.3% (46) |")
+    assert md[-1] == ("1 of 1 cells within 2% of the best baseline, 1 below it; in 1 a faster "
+                      "baseline failed more requests (`vertumnus` within 2% of it in 0).")
 
 
 def test_a_cell_without_a_mean_is_kept_without_a_verdict():
@@ -90,14 +113,14 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(rb, "part_loaders", lambda d, q, s=1: loaders)
 
     def fake_sweep(reqs, wname, cfg):
-        ran.append((wname, cfg.load_factors, cfg.num_gpus))
+        ran.append((wname, cfg.load_factors, cfg.num_gpus, cfg.gpu))
         return [{"system": s, "load_factor": lf, "mean_ttft_ms": 100.0, "request_rate": 1.0,
                  "composition": [4], "final_composition": [4], "reconfigurations": []}
                 for lf in cfg.load_factors for s in cfg.systems], None
 
     monkeypatch.setattr(rb, "run_sweep", fake_sweep)
     rows = rb.run(str(tmp_path), str(tmp_path / "out"), ["qwen3-32b"], [], False, [" STAND-IN "])
-    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 40)] and loaded == ["short"]  # (only it)
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 40, "h20")] and loaded == ["short"]
     assert {r["part"] for r in rows} == {"stand-in: short prompts (Poisson)"}
     assert all(r["change"] == 0.0 for r in rows)
     # the files say what the run was
@@ -105,14 +128,14 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
     assert saved["cells"] == rows and saved["settings"] == {
         "models": ["qwen3-32b"], "seeds": [], "quick": False,
         "parts": ["stand-in: short prompts (Poisson)"], "all_parts": False, "num_gpus": 40,
-        "draw_seed": 1}
+        "draw_seed": 1, "gpu": "h20"}
     assert (tmp_path / "out" / "robustness.md").read_text().splitlines()[0] == (
         "Run: models qwen3-32b; parts stand-in: short prompts (Poisson); re-run under noise "
         "seeds none.")
     # another pool size: every sweep on it, and the files say so
     ran.clear()
     rb.run(str(tmp_path), str(tmp_path / "out16"), ["qwen3-32b"], [], False, ["stand-in"], 16)
-    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 16)]
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 16, "h20")]
     assert (tmp_path / "out16" / "robustness.md").read_text().startswith(
         "Run: pools of 16 GPUs (the comparison's: 40), models qwen3-32b;")
     for gpus, models in ((4, ["qwen3-32b"]), (0, ["qwen3-32b"]), (12, ["qwen3-32b"]),
@@ -133,6 +156,19 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
         "settings"]["draw_seed"] == 2
     assert (tmp_path / "out2" / "robustness.md").read_text().startswith(
         "Run: drawn parts with seed 2 (the committed run's: 1), models qwen3-32b;")
+    # another GPU profile: every sweep on it, and the files say so
+    ran.clear()
+    rb.run(str(tmp_path), str(tmp_path / "outh"), ["qwen3-32b"], [], False, ["stand-in"], 40, 1,
+           "h100")
+    assert ran == [("synthetic", (0.6, 0.9, 1.2, 1.5), 40, "h100")]
+    assert json.loads((tmp_path / "outh" / "robustness.json").read_text())["settings"][
+        "gpu"] == "h100"
+    assert (tmp_path / "outh" / "robustness.md").read_text().startswith(
+        "Run: GPU profile h100 (the comparison's: h20), models qwen3-32b;")
+    for gpu in ("H100", "a100", "", None, 100):
+        with pytest.raises(ValueError, match=r"--gpu must be one of \['h100', 'h20', "):
+            rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-32b"], [], False, [], 40, 1, gpu)
+    assert not (tmp_path / "bad").exists()
     for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
                          ([" ", ""], r"has only blank entries"),
                          ("stand-in", r"only must be a sequence of strings, not the string")):
