@@ -103,9 +103,12 @@ def summary_tables(sweep: dict) -> list[str]:
             row = {r["system"]: r for r in v["results"] if r["request_rate"] == rate}
             vt = row["vertumnus"]
             best, faster = best_baseline(row.values(), vt)
+            ours_failed, its_failed = vt.get("failed") or 0, best.get("failed") or 0
             name = f"`{best['system']}`" + ("" if faster is None else (
                 f" (faster: `{faster['system']}` {faster['mean_ttft_ms']:.0f} ms, "
-                f"{faster['failed']} failed)"))
+                f"{faster.get('failed') or 0} failed)")) + (
+                "" if ours_failed == its_failed else
+                f" (failed: Vertumnus {ours_failed}, it {its_failed})")
             other = [f"{row[s]['mean_ttft_ms']:.0f}" if s in row else "-" for s in VARIANTS]
             md.append(
                 f"| {w} | {model}, {deg} | {vt['load_factor']} | {rate:.2f} | {name} | "
@@ -127,7 +130,7 @@ def _fetch_table(sweep: dict) -> list[str]:
             continue
         w, model, deg = key.split("/")
         f, vt = row["vertumnus-fetch"], row["vertumnus"]
-        best, _ = best_baseline(row.values(), f)
+        best, _ = best_baseline(row.values(), vt)  # (the headline's)
         degrees = "{" + deg[2:].replace("-", ", ") + "}"
         rows.append(
             f"| {w} | {model}, {degrees} | {top:.2f} | `{best['system']}` | "

@@ -49,25 +49,28 @@ def best_baseline(results: Iterable[dict], ours: dict | None = None
     Returns:
       `(best, faster)`: `best` the baseline of least mean TTFT among those that failed no more
       requests than `ours` (all of them without `ours`; where every baseline failed more, those
-      that failed fewest); `faster` the baseline of least mean TTFT of all when that is not
-      `best` (it failed more requests than `ours`), else None; `(None, None)` without a
-      baseline. A failed request has no TTFT, so a mean over fewer requests, the refused ones
-      left out (prompts longer than a pool's workers hold: the longest and slowest), is not
-      one over the same workload: `homogeneous-cp4` on H100 with Qwen3-32B refuses the
-      Mooncake conversation's prompts of 98K tokens and more (46 of 6,015 in its first half),
-      which `vertumnus` serves on CP-8 workers (eval/RESULTS.md, "Another GPU").
+      that failed fewest); `faster` the baseline of least mean TTFT of all when its mean is
+      below `best`'s (it failed more requests than `ours`), else None; `(None, None)` without
+      a baseline. A missing or None `failed` counts as 0. Where `ours` failed more than `best`,
+      its own mean is the one over fewer requests: the callers show both counts.
+
+    A failed request has no TTFT, so a mean over fewer requests, the refused ones left out
+    (prompts longer than a pool's workers hold: the longest and slowest), is not one over the
+    same workload: `homogeneous-cp4` on H100 with Qwen3-32B refuses the
+    Mooncake conversation's prompts of 98K tokens and more (46 of 6,015 in its first half),
+    which `vertumnus` serves on CP-8 workers (eval/RESULTS.md, "Another GPU").
     """
-    timed = [r for r in results if r["system"] not in OURS and r["mean_ttft_ms"] is not None]
+    timed = [r for r in results if r["system"] not in OURS and r["mean_ttft_ms"]]
     if not timed:
         return None, None
-    cap = ours.get("failed", 0) if ours is not None else None
-    fair = [r for r in timed if cap is None or r.get("failed", 0) <= cap]
+    cap = (ours.get("failed") or 0) if ours is not None else None
+    fair = [r for r in timed if cap is None or (r.get("failed") or 0) <= cap]
     if not fair:  # every baseline refused more: the ones that refused fewest
-        least = min(r.get("failed", 0) for r in timed)
-        fair = [r for r in timed if r.get("failed", 0) == least]
+        least = min(r.get("failed") or 0 for r in timed)
+        fair = [r for r in timed if (r.get("failed") or 0) == least]
     best = min(fair, key=lambda r: r["mean_ttft_ms"])
     fastest = min(timed, key=lambda r: r["mean_ttft_ms"])
-    return best, (fastest if fastest is not best else None)
+    return best, (fastest if fastest["mean_ttft_ms"] < best["mean_ttft_ms"] else None)
 
 
 # The public trace files of the comparison's workloads, under the traces folder (its README).

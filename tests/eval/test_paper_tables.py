@@ -83,6 +83,13 @@ def test_the_best_baseline_failed_no_more_requests_than_ours():
     assert best_baseline(fewer, r("vertumnus", 800.0, 0)) == (fewer[1], fewer[0])
     assert best_baseline([r("vertumnus-fetch", 1.0, 0)], r("vertumnus", 1.0, 0)) == (None, None)
     assert best_baseline([], None) == (None, None)
+    # a tie is not faster, in either order; a missing or None count is 0; a zero mean skipped
+    tie = [r("homogeneous-cp4", 100.0, 5), r("mooncake-cp4", 100.0, 0)]
+    for order in (tie, tie[::-1]):
+        assert best_baseline(order, r("vertumnus", 90.0, 0)) == (tie[1], None)
+    loose = [{"system": "homogeneous-cp4", "mean_ttft_ms": 80.0}, r("mooncake-cp4", 70.0, None),
+             r("dynamo-cp4", 0.0, 0)]
+    assert best_baseline(loose, r("vertumnus", 90.0, None)) == (loose[1], None)
 
 
 def test_tables_name_a_faster_baseline_that_failed_more():
@@ -97,3 +104,14 @@ def test_tables_name_a_faster_baseline_that_failed_more():
     assert row.startswith("| production | qwen3-32b, cp4-8 | 1.1 | 3.00 | `homogeneous-cp8` "
                           "(faster: `homogeneous-cp4` 1208 ms, 46 failed) | 21577 | 2335 | "
                           "-89.2% |")
+    # failing as many as the best baseline, nothing is said; failing more, the counts are
+    results[2]["failed"], results[1]["failed"] = 46, 3
+    md = summary_tables({"production/qwen3-32b/cp4-8": {"results": results, "headline": head}})
+    row = next(line for line in md if line.startswith("| production | qwen3-32b, cp4-8 | 1.1"))
+    assert row.startswith("| production | qwen3-32b, cp4-8 | 1.1 | 3.00 | `homogeneous-cp4` | "
+                          "1208 | 2335 | +93.3% |")
+    results[2]["failed"] = 50
+    md = summary_tables({"production/qwen3-32b/cp4-8": {"results": results, "headline": head}})
+    row = next(line for line in md if line.startswith("| production | qwen3-32b, cp4-8 | 1.1"))
+    assert row.startswith("| production | qwen3-32b, cp4-8 | 1.1 | 3.00 | `homogeneous-cp4` "
+                          "(failed: Vertumnus 50, it 46) | 1208 | 2335 | +93.3% |")

@@ -82,6 +82,13 @@ def test_a_baseline_failing_more_requests_is_not_the_best_but_is_shown():
     assert md[2].endswith("| -89.2% | 0, 0 | - | `homogeneous-cp4`: +93.3% (46) |")
     assert md[-1] == ("1 of 1 cells within 2% of the best baseline, 1 below it; in 1 a faster "
                       "baseline failed more requests (`vertumnus` within 2% of it in 0).")
+    # vertumnus failing more than the best baseline is counted too
+    results[-1]["failed"] = 50
+    (got,) = cells(results, "p", "m")
+    assert got["best_baseline"] == "homogeneous-cp4" and got["faster"] is None
+    assert markdown([got])[-1] == ("0 of 1 cells within 2% of the best baseline, 0 below it; "
+                                   "in 1 `vertumnus` failed more requests than the best "
+                                   "baseline.")
 
 
 def test_a_cell_without_a_mean_is_kept_without_a_verdict():
@@ -100,7 +107,8 @@ def test_a_cell_without_a_mean_is_kept_without_a_verdict():
     assert [c["change"] for c in got] == [None, None]
     assert got[0]["failed"] == [7, 0] and got[1]["best_baseline"] is None
     assert markdown(got)[-1] == ("0 of 2 cells within 2% of the best baseline, 0 below it; "
-                                 "2 without a result.")
+                                 "2 without a result; in 1 `vertumnus` failed more requests "
+                                 "than the best baseline.")
 
 
 def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
