@@ -139,7 +139,7 @@ def _carve(olds: Sequence[Worker], targets, meshes, params, dropped, blocks, sta
         buffers.update({d: (k, v) for d, k, v in zip(w.devices, ks, vs)})
     weight_moved = _weight_bytes_moved(olds, params)
     for w in olds:  # from the first donated buffer on, the old workers are gone
-        w.retire("split" if len(targets) == 2 else "merge")
+        w.retire("merge" if len(olds) > 1 else "split")  # (one worker carved into parts: a split)
     out = move_blocks(buffers, moves)
     news = []
     for (devices, _), mesh, p, ids in zip(targets, meshes, params, layouts):
