@@ -9,9 +9,13 @@ noise, only what it would know live (a fitted profile and past requests). Unlike
 queueing replay of `serving.policy.whatif`, this one has the workers' prefix caches, so it sees
 that more, smaller workers keep fewer prefixes warm, and what a prefix fetch costs and saves.
 The option of least mean TTFT wins (fewer failed requests first; ties to the earlier option).
-A router that prices evicting live context prices it here at the share of placed blocks
-reused (`LiveWorkingSet(rate="reuse")`): the sample starts from empty caches and is too short
-for contexts to be lost and asked for again, which the served router's rate counts.
+A router that prices evicting live context runs here as it is served: its `p` is the share
+of placed blocks reused until a placement is predicted to push live blocks out, then the rate
+at which pushed-out blocks come back (`LiveWorkingSet.victim_reuse_rate`). Replays priced
+at the reuse share throughout (before the thirty-fifth session) ranked a rule by a price it
+would not be served with: on Tool-Agent with Qwen3-32B on H100s (caches a third of the H20's)
+the cost with G against the cheapest degree kept 58 % prefix hits in the replay and 51 % in
+the run, predicted 197 ms and served 306 ms (eval/RESULTS.md, item 28).
 For closed-loop sessions the sample is the run's ramp (`eval.offered_load.SessionLoad.
 demand_sample`), whose sessions hold a share of the contexts the run holds at its busiest: each
 worker's KV is cut to that share (`kv_share`, `SessionLoad.replay_kv_share`), so the replay sees the
@@ -27,8 +31,6 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 from eval.sim.simulator import SimConfig, simulate
-from serving.policy.cost_router import live_set_of
-from serving.policy.live_set import LiveWorkingSet
 from serving.policy.prefix_index import PrefixIndex
 from serving.policy.request import Request, num_blocks
 from serving.policy.router import Router
@@ -82,10 +84,7 @@ def replay_choice(options: Sequence[Sequence[int]], routers: dict[str, Callable[
     for comp in options:
         specs = _shrunk(workers(comp), kv_share, sample)  # (the same for every router)
         for name, make in routers.items():
-            router = make()
-            live = live_set_of(router)
-            if live is not None:  # (module doc)
-                router.live = LiveWorkingSet(live.horizon_s, rate="reuse")
+            router = make()  # (as served, its eviction price included: module doc)
             records = simulate(sample, list(specs), cost_model, router, cost_model.predict,
                                config, prefix_index=PrefixIndex())
             ok = [r.ttft for r in records if r.ok]

@@ -112,9 +112,8 @@ class LiveWorkingSet:
       horizon_s: the window (seconds) within which a block used by a placement stays live,
         finite and > 0.
       rate: the `p` the eviction cost uses (read-only): "victims" (`victim_reuse_rate`, the
-        default) or "reuse" (`reuse_rate`). A short replay from empty caches (`eval.whatif_sim`)
-        uses "reuse": no context has been lost yet there, so `victim_reuse_rate` reads 0
-        wherever anything is pushed out, and the share of placed blocks reused stands in for it.
+        default) or "reuse" (`reuse_rate` throughout; the replayed initial choice of
+        `eval.whatif_sim` priced so until eval/RESULTS.md item 28, which runs it as served).
 
     Raises:
       ValueError: horizon_s not finite and > 0, or an unknown rate.

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eval.sim.simulator import SimConfig, simulate
 from eval.whatif_sim import replay_choice
 from serving.policy.cost_router import VertumnusRouter
+from serving.policy.prefix_index import PrefixIndex
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
 from serving.policy.worker import layout_workers
@@ -43,20 +45,34 @@ def test_choice_matches_separate_simulations_and_prefers_the_faster_option():
         replay_choice([], {"cost": VertumnusRouter}, sample, workers, Linear())
 
 
-def test_replay_prices_evictions_at_the_reuse_share():
-    # The replay starts from empty caches and is too short for contexts to be lost and asked
-    # for again: a router with live sets gets one whose eviction cost uses the share of placed
-    # blocks reused (here every prompt is placed twice on its worker: shares 0, 1, 0, 1, ...).
+def test_replay_runs_the_router_as_served_eviction_price_included():
+    # The replay runs each router as the served system would, its eviction price at the rate
+    # pushed-out live blocks come back (`victim_reuse_rate`; before any push the share of
+    # placed blocks reused). Two CP-1 workers of 12 blocks, 8 sessions whose contexts grow
+    # from 5 to 9 full blocks over three turns 30 s apart: the live sets (60 s) outgrow the
+    # caches, live blocks are pushed out and some come back. The replay's mean TTFT is a
+    # separate simulation's of a fresh router from the same factory, and the router it ran
+    # measured its p on the victims (no longer the reuse share it starts from).
     made = []
 
     def make():
         made.append(VertumnusRouter(live_horizon_s=60.0))
         return made[-1]
 
-    sample = [Request(f"r{i}", i * 0.5, 2000, 1, chain_block_hashes(
-        [(i // 2) * 10 + k for k in range(4)]), 512) for i in range(20)]
-    replay_choice([[4]], {"cost": make}, sample, workers, Linear())
+    def small(comp):
+        return layout_workers(list(comp), 12, 100_000)
+
+    sample = [Request(f"r{k}-{s}", 3.0 * s + 30.0 * k, 512 * (5 + 2 * k) + 100, 1,
+                      chain_block_hashes([s * 100 + b for b in range(6 + 2 * k)]), 512)
+              for k in range(3) for s in range(8)]
+    sample.sort(key=lambda r: r.arrival_time)
+    _, _, scores = replay_choice([[1, 1]], {"cost": make}, sample, small, Linear())
     [router] = made
-    assert router.live.rate == "reuse"
-    assert router.live.size(0, 10.0) == 10 * 3  # 10 distinct prompts of 3 full blocks
-    assert 0.3 < router.live.reuse_rate < 0.7
+    assert router.live.rate == "victims"
+    # evidence was measured: about 2/3 of the live blocks pushed out came back (the reuse
+    # share it starts from is about 1/2)
+    assert 0.6 < router.live.victim_reuse_rate < 0.75 and router.live.reuse_rate < 0.55
+    records = simulate(sample, small([1, 1]), Linear(), make(), Linear().predict,
+                       SimConfig(tick_interval=0.0), prefix_index=PrefixIndex())
+    ok = [r.ttft for r in records if r.ok]
+    assert scores[((1, 1), "cost")] == (len(records) - len(ok), pytest.approx(sum(ok) / len(ok)))
