@@ -14,7 +14,7 @@ of placed blocks reused until a placement is predicted to push live blocks out, 
 at which pushed-out blocks come back (`LiveWorkingSet.victim_reuse_rate`). Replays priced
 at the reuse share throughout (before the thirty-fifth session) ranked a rule by a price it
 would not be served with: on Tool-Agent with Qwen3-32B on H100s (caches a third of the H20's)
-the cost with G against the cheapest degree kept 58 % prefix hits in the replay and 51 % in
+the cost with G against the cheapest degree kept 58 % of prefix hits in the replay and 52 % in
 the run, predicted 197 ms and served 306 ms (eval/RESULTS.md, item 28).
 For closed-loop sessions the sample is the run's ramp (`eval.offered_load.SessionLoad.
 demand_sample`), whose sessions hold a share of the contexts the run holds at its busiest: each
