@@ -11,9 +11,9 @@ that more, smaller workers keep fewer prefixes warm, and what a prefix fetch cos
 The option of least mean TTFT wins (fewer failed requests first; ties to the earlier option).
 A router that prices evicting live context runs here as it is served: its `p` is the share
 of placed blocks reused until a placement is predicted to push live blocks out, then the rate
-at which pushed-out blocks come back (`LiveWorkingSet.victim_reuse_rate`). Replays priced
-at the reuse share throughout (before the thirty-fifth session) ranked a rule by a price it
-would not be served with: on Tool-Agent with Qwen3-32B on H100s (caches a third of the H20's)
+at which pushed-out blocks come back (`LiveWorkingSet.victim_reuse_rate`). A replay priced
+at the reuse share throughout, as before item 28 of eval/RESULTS.md, ranked a rule by a price
+it would not be served with: on Tool-Agent with Qwen3-32B on H100s (caches a third of the H20's)
 the cost with G against the cheapest degree kept 58 % of prefix hits in the replay and 52 % in
 the run, predicted 197 ms and served 306 ms (eval/RESULTS.md, item 28).
 For closed-loop sessions the sample is the run's ramp (`eval.offered_load.SessionLoad.
