@@ -33,6 +33,9 @@ AGENT_WINDOW_S = 3600.0  # agent sessions start during the first hour (eval.repl
 QUICK_REQUESTS, QUICK_AGENT_WINDOW_S = 1500, 600.0  # --quick: shorter traces and windows
 OURS = ("vertumnus", "vertumnus-paper", "vertumnus-paper+replay", "vertumnus-nocache",
         "vertumnus-fetch", "vertumnus-fcfs")
+# Built-in variants of ours that `eval.paper` does not run (never a cell's best baseline when
+# named in `--systems` of another run).
+OTHER_OURS = ("vertumnus-static", "vertumnus-gated-sjf")
 
 
 def best_baseline(results: Iterable[dict], ours: dict | None = None
@@ -42,8 +45,8 @@ def best_baseline(results: Iterable[dict], ours: dict | None = None
 
     Args:
       results: the cell's results (`eval.experiment.run_sweep`'s dicts: `system`,
-        `mean_ttft_ms`, `failed`); those of systems in `OURS` and those without a mean TTFT
-        (every request failed) are skipped.
+        `mean_ttft_ms`, `failed`); those of systems in `OURS` or `OTHER_OURS` and those
+        without a mean TTFT (every request failed) are skipped.
       ours: the result the baselines are held against (`vertumnus`'s), or None.
 
     Returns:
@@ -60,7 +63,8 @@ def best_baseline(results: Iterable[dict], ours: dict | None = None
     Mooncake conversation's prompts of 98K tokens and more (46 of 6,015 in its first half),
     which `vertumnus` serves on CP-8 workers (eval/RESULTS.md, "Another GPU").
     """
-    timed = [r for r in results if r["system"] not in OURS and r["mean_ttft_ms"]]
+    timed = [r for r in results
+             if r["system"] not in OURS + OTHER_OURS and r["mean_ttft_ms"]]
     if not timed:
         return None, None
     cap = (ours.get("failed") or 0) if ours is not None else None

@@ -13,7 +13,8 @@ per degree, the fitted cost model). Built in here:
   ablations `vertumnus-nocache`, `vertumnus-static` (no controller, no cache manager),
   `vertumnus-fetch` (`serving.policy.fetch_router.FetchingVertumnusRouter` forced) and
   `vertumnus-fcfs` (queued prefills start first come, first served instead of shortest
-  predicted first, `serving.policy.queue_order`);
+  predicted first, `serving.policy.queue_order`) and `vertumnus-gated-sjf` (shortest first
+  within a gate: no request placed after the gate closed passes those in it);
 - `vertumnus-paper`: the policy as the paper describes it (initial composition with the most
   large-degree workers that has enough capacity, G against the cheapest worker, the threshold
   controller `serving.policy.controller.ReconfigurationController`); `vertumnus-paper+replay`
@@ -258,6 +259,8 @@ register_system("vertumnus-fetch", lambda pool: vertumnus_system(
     pool, fetch=True, name="vertumnus-fetch"))
 register_system("vertumnus-fcfs", lambda pool: vertumnus_system(
     pool, queue_order=FCFS, name="vertumnus-fcfs"))
+register_system("vertumnus-gated-sjf", lambda pool: vertumnus_system(
+    pool, queue_order=QueueOrder("gated-sjf"), name="vertumnus-gated-sjf"))
 register_system("static-threshold", _static_threshold)
 register_system("vllm-tp4", _homogeneous4("vllm-tp4", lambda p: VllmPrefixAwareRouter(), "tp"))
 register_system("sglang-cp4", _homogeneous4("sglang-cp4", lambda p: SglangCacheAwareRouter()))

@@ -85,11 +85,12 @@ _CONGESTION = flags.DEFINE_boolean(
 _QUEUE_ORDER = flags.DEFINE_string(
     "queue_order", None, "Which queued prefill a free worker starts: 'fcfs' (the paper's), "
     "'sjf' (shortest predicted prefill first), 'sjf:S' (SJF, but the head of a queue, its "
-    "earliest placed request, starts next once it has waited S seconds since its arrival) or "
+    "earliest placed request, starts next once it has waited S seconds since its arrival), "
     "'hrrn' (highest response ratio (wait + P) / P next, P the predicted prefill: SJF's tail "
-    "cut, at a higher mean); serving/policy/queue_order.py. Plain sjf sets no bound: under "
-    "sustained overload a long prompt waits as long as shorter ones keep coming. Default: "
-    "--policy's (sjf for vertumnus, fcfs for vertumnus-paper).")
+    "cut, at a higher mean) or 'gated-sjf' (SJF among the requests queued when the last gate "
+    "ran out; none placed later passes them); serving/policy/queue_order.py. Plain sjf sets no "
+    "bound: under sustained overload a long prompt waits as long as shorter ones keep coming. "
+    "Default: --policy's (sjf for vertumnus, fcfs for vertumnus-paper).")
 _PREFIX_FETCH = flags.DEFINE_boolean(
     "prefix_fetch", None, "Let the router fetch for a request the longest prefix another "
     "worker holds when that beats recomputing it (serving.policy.fetch_router); the prefill "

@@ -23,6 +23,7 @@ class Placement:
       start_time: when its prefill started (seconds); None while queued.
       order_seconds: the queue order's key (`serving.policy.queue_order`, "sjf"): predicted
         prefill seconds at the prefix the worker held at placement, without promised blocks.
+      gated: within its worker's current gate ("gated-sjf": `queue_order.gate_length`).
     """
 
     worker: WorkerState
@@ -31,6 +32,7 @@ class Placement:
     global_cached_len: int = 0
     start_time: float | None = None
     order_seconds: float = 0.0
+    gated: bool = False
 
 
 def withdraw_queued(placements: dict[str | int, Placement], request_id: str | int,

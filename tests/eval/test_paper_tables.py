@@ -71,7 +71,8 @@ def test_the_best_baseline_failed_no_more_requests_than_ours():
 
     cp4, cp8, st = r("homogeneous-cp4", 1208.0, 46), r("homogeneous-cp8", 21577.0, 0), \
         r("static-threshold", 115222.0, 0)
-    cell = [cp4, cp8, st, r("vertumnus-paper", 10.0, 0), r("sglang-cp4", None, 6015)]
+    cell = [cp4, cp8, st, r("vertumnus-paper", 10.0, 0), r("sglang-cp4", None, 6015),
+            r("vertumnus-gated-sjf", 20.0, 0), r("vertumnus-static", 30.0, 0)]
     # like for like: cp4's mean leaves out the 46 prompts it refused; ours' are not baselines,
     # nor is a system without a mean
     assert best_baseline(cell, r("vertumnus", 2335.0, 0)) == (cp8, cp4)

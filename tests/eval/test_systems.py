@@ -18,7 +18,7 @@ from serving.baselines import (DynamoKvRouter, MooncakeConductorRouter, SglangCa
                                StaticThresholdRouter, VllmPrefixAwareRouter)
 from serving.policy.plugins import PluginError, guard_callable, router_from_spec
 from serving.policy.prefix_index import PrefixIndex
-from serving.policy.queue_order import FCFS, SJF
+from serving.policy.queue_order import FCFS, SJF, QueueOrder
 from serving.policy.profiles import analytic_prefill_seconds
 from serving.policy.request import Request, chain_block_hashes
 from serving.policy.router import LeastWorkRouter
@@ -51,7 +51,8 @@ def test_baseline_systems_fill_the_gpu_budget(name, composition, router, paralle
 
 @pytest.mark.parametrize("name, order", [
     ("vertumnus", SJF), ("vertumnus-fetch", SJF), ("vertumnus-fcfs", FCFS),
-    ("vertumnus-paper", FCFS), ("homogeneous-cp4", FCFS),
+    ("vertumnus-gated-sjf", QueueOrder("gated-sjf")), ("vertumnus-paper", FCFS),
+    ("homogeneous-cp4", FCFS),
 ])
 def test_queue_order_of_each_system(name, order):
     # the default starts the shortest predicted prefill first; its FCFS ablation, the paper's

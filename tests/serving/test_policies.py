@@ -86,6 +86,8 @@ def test_the_binarys_flags_replace_one_part_of_the_policy_at_a_time():
                                               "live_horizon_s": 60.0,
                                               "queue_order": QueueOrder("sjf", 2.0),
                                               "prefix_fetch": True}
+    assert _parsed(["--queue_order=gated-sjf"])[0] == {**POLICIES["vertumnus"],
+                                                      "queue_order": QueueOrder("gated-sjf")}
     assert _parsed(["--noprefix_fetch", "--nocongestion_price",
                     "--controller_policy=paper"])[0] == {
         **POLICIES["vertumnus"], "prefix_fetch": False, "congestion_price": False,

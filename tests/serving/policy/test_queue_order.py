@@ -1,4 +1,5 @@
-"""serving.policy.queue_order: which queued prefill a free worker starts (FCFS, SJF, HRRN)."""
+"""serving.policy.queue_order: which queued prefill a free worker starts (FCFS, SJF, HRRN,
+gated SJF)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from serving.policy.worker import layout_workers
 from tests.serving.policy.test_scheduler import Cost, RecordingBackend, req
 
 HRRN = QueueOrder("hrrn")
+GATED = QueueOrder("gated-sjf")
 TOGETHER = (("A", 3000, 0.1), ("B", 1000, 0.1), ("C", 2000, 0.1))
 SPREAD = (("A", 3000, 0.1), ("C", 2000, 0.2), ("B", 1000, 0.9))
 
@@ -53,6 +55,8 @@ def run_out(s, backend, times):
     # HRRN at 1: waits over S are A 0.9 / 3 = 0.3, C 0.8 / 2 = 0.4, B 0.1 / 1 = 0.1: C, 1 -> 3.
     # At 3: A 2.9 / 3 = 0.97, B 2.1 / 1 = 2.1: B, 3 -> 4; then A, 4 -> 7.
     (HRRN, SPREAD, [("R", 0.0), ("C", 1.0), ("B", 3.0), ("A", 4.0)]),
+    # Gated SJF, all three queued when R ends: one gate, SJF's order.
+    (GATED, SPREAD, [("R", 0.0), ("B", 1.0), ("C", 2.0), ("A", 4.0)]),
 ])
 def test_start_order_hand_computed(order, arrivals, expected):
     s, backend, done = one_worker(order)
@@ -64,6 +68,49 @@ def test_start_order_hand_computed(order, arrivals, expected):
     assert starts(backend) == expected
     # the reservation falls by each started request's own estimate, whatever the order
     assert s.workers[0].queued_seconds == 0.0 and len(done) == 3
+
+
+def test_gated_sjf_lets_no_later_request_pass_the_gate():
+    # R runs 0 -> 1. A (3 s) and C (2 s) are queued when it ends: the gate closes on them and
+    # C starts (1 -> 3). B (1 s) arrives at 1.5, after the gate: A starts at 3 (SJF would start
+    # B), then B at 6. TTFTs 2.9, 0.8, 4.5 s; SJF's 3.9, 0.8, 1.5.
+    for order, expected in ((GATED, [("R", 0.0), ("C", 1.0), ("A", 3.0), ("B", 6.0)]),
+                            (SJF, [("R", 0.0), ("C", 1.0), ("B", 3.0), ("A", 4.0)])):
+        s, backend, done = one_worker(order)
+        s.submit(req("R", 1000), 0.0)
+        s.submit(req("A", 3000, 0.1), 0.1)
+        s.submit(req("C", 2000, 0.2), 0.2)
+        run_out(s, backend, [1.0])
+        s.submit(req("B", 1000, 1.5), 1.5)
+        run_out(s, backend, [expected[2][1], expected[3][1]])
+        assert starts(backend) == expected, order.kind
+        run_out(s, backend, [expected[3][1] + 1.0])
+        assert len(done) == 4 and s.workers[0].queued_seconds == 0.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.integers(1, 4), st.just(None)), min_size=1, max_size=24))
+def test_gated_sjf_matches_a_reference_gate(ops):
+    # ops: an int queues a request with that key, None starts one (if any is queued). The
+    # reference keeps the gate as an explicit list of ids: when it is empty, every queued id
+    # joins it; the least key of the gate starts, the first queued among equals.
+    queue, placements, popped = deque(), {}, []
+    ref_queue, gate, ref_popped = [], [], []
+    for i, op in enumerate(ops):
+        if op is not None:
+            queue.append(req(i, 512, float(i)))
+            placements[i] = Placement(None, float(op), 0, order_seconds=float(op))
+            ref_queue.append(i)
+        elif queue:
+            popped.append(GATED.pop_next(queue, placements, 100.0).request_id)
+            if not gate:
+                gate = list(ref_queue)
+            j = min(gate, key=lambda r: (ops[r], ref_queue.index(r)))
+            gate.remove(j)
+            ref_queue.remove(j)
+            ref_popped.append(j)
+    assert popped == ref_popped
+    assert [r.request_id for r in queue] == ref_queue
 
 
 def test_hrrn_equal_ratios_start_in_placement_order():
@@ -131,13 +178,14 @@ def test_sjf_pops_in_the_order_of_a_stable_sort(keys):
 @pytest.mark.parametrize("spec, want", [
     ("fcfs", FCFS), ("sjf", SJF), ("sjf:30", QueueOrder("sjf", 30.0)),
     ("sjf:0.5", QueueOrder("sjf", 0.5)), ("hrrn", QueueOrder("hrrn")),
+    ("gated-sjf", GATED),
 ])
 def test_parse_queue_order(spec, want):
     assert parse_queue_order(spec) == want
 
 
 @pytest.mark.parametrize("spec", ["", "lifo", "fcfs:3", "sjf:", "sjf:abc", "sjf:0", "sjf:-1",
-                                  "sjf:inf", "sjf:nan", "hrrn:5"])
+                                  "sjf:inf", "sjf:nan", "hrrn:5", "gated-sjf:5"])
 def test_parse_queue_order_refuses(spec):
     with pytest.raises(ValueError, match="queue_order="):
         parse_queue_order(spec)
@@ -147,6 +195,7 @@ def test_parse_queue_order_refuses(spec):
     (dict(kind="lifo"), "kind must be one of"),
     (dict(kind="fcfs", max_wait_s=5.0), "'fcfs' takes None"),
     (dict(kind="hrrn", max_wait_s=5.0), "'hrrn' takes None"),
+    (dict(kind="gated-sjf", max_wait_s=5.0), "'gated-sjf' takes None"),
     (dict(kind="sjf", max_wait_s=True), "max_wait_s must be"),
     (dict(kind="sjf", max_wait_s=0.0), "max_wait_s must be"),
     (dict(kind="sjf", max_wait_s="5"), "max_wait_s must be"),
