@@ -71,10 +71,10 @@ def headline(results: list[dict]) -> dict:
 
 def summary_tables(sweep: dict) -> list[str]:
     """Markdown: the headline per setup, Vertumnus against the best baseline at every load
-    (the lowest mean TTFT among the systems not in `OURS` that failed no more requests,
-    `best_baseline`; a faster one that failed more is named beside it), and, when the sweep ran it,
-    `vertumnus-fetch` against the strongest baseline at the highest load; from `part_sweep`'s
-    data."""
+    (the lowest mean TTFT among the systems not in `OURS` or `OTHER_OURS` that failed no more
+    requests, `best_baseline`; a faster one that failed more is named beside it), and, when the
+    sweep ran it, `vertumnus-fetch` against the strongest baseline at the highest load; from
+    `part_sweep`'s data."""
     md = ["### Headline: Vertumnus vs the strongest baseline at the highest swept load", "",
           "| workload | model, degrees | rate (req/s) | strongest baseline | mean TTFT change | "
           "P90 TTFT change | tok-w SLO att. (points) | paper: mean TTFT reduction |",

@@ -160,11 +160,11 @@ def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[
 def cells(results: list[dict], part: str, model: str) -> list[dict]:
     """Per load factor: `vertumnus` against the best baseline like for like
     (`eval.paper_setup.best_baseline`: the lowest mean TTFT among the systems not in `OURS`
-    that failed no more requests than `vertumnus`), from `run_sweep`'s results; `change` is
-    None where either has no mean TTFT (every request failed, or the system did not run). The
-    failed requests of both are kept, and a faster baseline that failed more requests is
-    given apart (`faster`: its system, mean TTFT, failed requests and the change against it;
-    None when there is none)."""
+    or `OTHER_OURS` that failed no more requests than `vertumnus`), from `run_sweep`'s
+    results; `change` is None where either has no mean TTFT (every request failed, or the
+    system did not run). The failed requests of both are kept, and a faster baseline that
+    failed more requests is given apart (`faster`: its system, mean TTFT, failed requests and
+    the change against it; None when there is none)."""
     out = []
     for lf in sorted({r["load_factor"] for r in results}):
         at = [r for r in results if r["load_factor"] == lf]

@@ -35,17 +35,18 @@ stay in the hundreds.
   the mean is higher (Tool-Agent with Qwen3-32B at 2.5: 94.2 s against 58.0 s) and P99 mostly
   far lower (323 s against 1,385 s there), so `vertumnus` keeps SJF.
 
-- `"gated-sjf"`: SJF within a gate. When a worker's gated requests have all started, every
-  request queued on it then is gated, and those start in SJF order (the same key) before any
-  placed after the gate closed: a short prompt passes only requests gated with it, and a long
-  one waits for at most the work gated with it. This is the gated discipline of polling
+- `"gated-sjf"`: SJF within a gate. When a worker frees and none of its gated requests is
+  left, every request queued on it then is gated, and those start in SJF order (the same key)
+  before any placed after the gate closed: a short prompt passes only requests gated with it,
+  and a request waits at most for the rest of the gate open when it was placed, then for its
+  own gate. This is the gated discipline of polling
   systems (H. Takagi, "Analysis of Polling Systems", MIT Press, 1986) with the frozen queue of
   the disk scheduler FSCAN (E. G. Coffman, L. A. Klimko, B. Ryan, "Analysis of Scanning
   Policies for Reducing Disk Seek Times", SIAM J. Computing 1(3), 1972), here ordered
   shortest-first. Measured against SJF (eval/RESULTS.md, "Queue order in a closed loop"): where
   agent sessions wait for their answers past saturation it is within 0.6 % of FCFS or faster,
-  where arrivals do not wait (open-loop traces) it gives up a third to all of SJF's gain over
-  FCFS, so `vertumnus` keeps SJF.
+  where arrivals do not wait (open-loop traces) it gives up 31 % to all of SJF's gain over
+  FCFS (Tool-Agent: 2.7 % slower than FCFS), so `vertumnus` keeps SJF.
 
 SJF lets a long prompt wait while shorter ones keep arriving. `max_wait_s` bounds that: when
 the request at the head of the queue (the earliest placed) has waited longer than
