@@ -21,8 +21,9 @@ class Placement:
       global_cached_len: tokens of its prefix held by some worker of the pool (with a
         `GlobalPrefixTrie`; else 0).
       start_time: when its prefill started (seconds); None while queued.
-      order_seconds: the queue order's key (`serving.policy.queue_order`, "sjf"): predicted
-        prefill seconds at the prefix the worker held at placement, without promised blocks.
+      order_seconds: the queue order's key (`serving.policy.queue_order`: "sjf", "gated-sjf",
+        the S of "hrrn"'s ratio): predicted prefill seconds at the prefix the worker held at
+        placement, without promised blocks.
       gated: within its worker's current gate ("gated-sjf": `queue_order.gate_length`).
     """
 

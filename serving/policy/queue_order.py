@@ -39,14 +39,14 @@ stay in the hundreds.
   left, every request queued on it then is gated, and those start in SJF order (the same key)
   before any placed after the gate closed: a short prompt passes only requests gated with it,
   and a request waits at most for the rest of the gate open when it was placed, then for its
-  own gate. This is the gated discipline of polling
-  systems (H. Takagi, "Analysis of Polling Systems", MIT Press, 1986) with the frozen queue of
-  the disk scheduler FSCAN (E. G. Coffman, L. A. Klimko, B. Ryan, "Analysis of Scanning
-  Policies for Reducing Disk Seek Times", SIAM J. Computing 1(3), 1972), here ordered
-  shortest-first. Measured against SJF (eval/RESULTS.md, "Queue order in a closed loop"): where
-  agent sessions wait for their answers past saturation it is within 0.6 % of FCFS or faster,
-  where arrivals do not wait (open-loop traces) it gives up 31 % to all of SJF's gain over
-  FCFS (Tool-Agent: 2.7 % slower than FCFS), so `vertumnus` keeps SJF.
+  own gate. This is the gated discipline of polling systems (H. Takagi, "Analysis of Polling
+  Systems", MIT Press, 1986) with the frozen queue of the disk scheduler FSCAN (E. G. Coffman,
+  L. A. Klimko, B. Ryan, "Analysis of Scanning Policies for Reducing Disk Seek Times", SIAM J.
+  Computing 1(3), 1972), here ordered shortest-first. Measured against SJF (eval/RESULTS.md,
+  "Queue order in a closed loop"): where agent sessions wait for their answers past
+  saturation it is within 0.6 % of FCFS or faster, where arrivals do not wait (open-loop
+  traces) it gives up 31 % to all of SJF's gain over FCFS (Tool-Agent: 2.7 % slower than
+  FCFS), so `vertumnus` keeps SJF.
 
 SJF lets a long prompt wait while shorter ones keep arriving. `max_wait_s` bounds that: when
 the request at the head of the queue (the earliest placed) has waited longer than
