@@ -63,8 +63,8 @@ def best_baseline(results: Iterable[dict], ours: dict | None = None
     Mooncake conversation's prompts of 98K tokens and more (46 of 6,015 in its first half),
     which `vertumnus` serves on CP-8 workers (eval/RESULTS.md, "Another GPU").
     """
-    timed = [r for r in results
-             if r["system"] not in OURS + OTHER_OURS and r["mean_ttft_ms"]]
+    ours_names = OURS + OTHER_OURS
+    timed = [r for r in results if r["system"] not in ours_names and r["mean_ttft_ms"]]
     if not timed:
         return None, None
     cap = (ours.get("failed") or 0) if ours is not None else None
