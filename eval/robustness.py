@@ -13,7 +13,10 @@ of its workloads, each a workload the comparison never ran whole:
 - four synthetic stand-ins for production traffic we have no trace of
   (`eval.traces.synthetic.SYNTHETIC`, drawn with the same seed: one-off short prompts under Poisson
   and bursty arrivals, one system prompt before short questions, mid-length prompts), swept
-  at the code trace's load factors (the system prompt, cached, at 2 to 8: `LOADS`).
+  at the code trace's load factors (the system prompt, cached, at 2 to 8: `LOADS`);
+- with `--extra_parts=KIND:PATH` (repeatable), the user's own traces: a trace file or a folder
+  of agent sessions (any format `eval.traces.loaders.load_trace` reads), swept at the load
+  factors of the workload `KIND` (`extra_part_loaders`; `--parts=extra` runs only them).
 
 Per cell: `vertumnus`'s mean TTFT against the best baseline there (chosen in hindsight, as in
 `eval.paper`, like for like: the fastest of the baselines that failed no more requests,
@@ -31,25 +34,19 @@ whose cells are not the full run's).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from absl import app, flags
 
 from eval.experiment import ReplayConfig, run_sweep
 from eval.paper_setup import (AGENT_WINDOW_S, DEFAULT_TRACES_DIR, LOADS,
-                              QUICK_AGENT_WINDOW_S, QUICK_REQUESTS, SETUPS, TRACE_FILES,
-                              best_baseline)
-from eval.traces.loaders import load_trace
-from eval.traces.sessions import load_sessions
-from eval.traces.synthetic import SYNTHETIC, synthetic_workload
-from eval.traces.workloads import tool_agent_workload
-from serving.policy.request import Request
+                              QUICK_AGENT_WINDOW_S, SETUPS, best_baseline)
+from eval.robustness_parts import (DRAW_SEED, extra_part_loaders, halves,  # noqa: F401
+                                   part_loaders, select)
 from serving.policy.specs import GPUS
 
 FLAGS = flags.FLAGS
@@ -78,83 +75,18 @@ def define_flags() -> None:
     flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
                       "strings (comma-separated, case-insensitive; empty: every part; an "
                       "unmatched one lists the part names).")
+    flags.DEFINE_multi_string("extra_parts", [], "A part of your own, KIND:PATH (repeatable): "
+                              "a trace file or a folder of agent sessions (the formats of "
+                              "eval.traces.loaders.load_trace), swept at the load factors of "
+                              f"the workload KIND, one of {sorted(LOADS)} (agent sessions: "
+                              "agents). Named 'extra KIND: PATH'; --parts=extra runs only "
+                              "these.")
 
 
 LINE = 0.02  # issue 15: at most 2 % above the best baseline
 NUM_GPUS = 40  # the comparison's pool (`eval.paper`)
 MAX_GPUS = 1024  # a bound on `--num_gpus` (a simulated pool of 1,024 GPUs runs in minutes)
-DRAW_SEED = 1  # the drawn parts' seed (the comparison's own draws use 0)
 GPU = "h20"  # the comparison's GPU profile (`ReplayConfig.gpu`)
-
-
-def halves(requests: Sequence[Request]) -> tuple[list[Request], list[Request]]:
-    """The first and second half of a trace by arrival (the middle request goes to the second),
-    each re-timed so that its first request arrives at 0 s.
-
-    Raises:
-      ValueError: fewer than 4 requests (each half needs two to have a rate).
-    """
-    if len(requests) < 4:
-        raise ValueError(f"a trace needs at least 4 requests to halve, got {len(requests)}")
-    reqs = sorted(requests, key=lambda r: r.arrival_time)
-    out = []
-    for part in (reqs[:len(reqs) // 2], reqs[len(reqs) // 2:]):
-        t0 = part[0].arrival_time
-        out.append([dataclasses.replace(r, arrival_time=r.arrival_time - t0) for r in part])
-    return out[0], out[1]
-
-
-def part_loaders(traces_dir: str, quick: bool, draw_seed: int = DRAW_SEED
-                 ) -> dict[str, tuple[str, Callable[[], object]]]:
-    """Part name -> (the workload it is a part of, a function that builds its requests or
-    sessions). Nothing is read until a function is called; each trace is read and halved
-    once. `draw_seed`: the seed of Tool-Agent, of the L-Eval CSV's order and of the stand-ins
-    (in their names)."""
-    d = pathlib.Path(traces_dir)
-    n = QUICK_REQUESTS if quick else None
-
-    @functools.cache
-    def halved(wname: str) -> tuple[list[Request], list[Request]]:
-        return halves(load_trace(d / TRACE_FILES[wname]).requests[:n])
-
-    out: dict[str, tuple[str, Callable[[], object]]] = {}
-    for wname, trace in (("production", "Mooncake conversation"),
-                         ("leval", "Mooncake synthetic"), ("code", "Azure code")):
-        for i, label in enumerate(("first half", "second half")):
-            out[f"{wname} ({trace}), {label}"] = (wname, lambda w=wname, i=i: halved(w)[i])
-    for label, sl in (("1st, 3rd, ...", slice(0, None, 2)), ("2nd, 4th, ...", slice(1, None, 2))):
-        out[f"agents, session files {label}"] = ("agents", lambda sl=sl: load_sessions(
-            d / TRACE_FILES["agents"], subset=sl))
-    out[f"toolagent, generated with seed {draw_seed}"] = ("toolagent", lambda: (
-        tool_agent_workload(duration_s=600.0 if quick else 3600.0, seed=draw_seed)[:n]))
-    out[f"leval-csv (L-Eval CSV), drawn with seed {draw_seed}"] = ("leval-csv", lambda: (
-        load_trace(d / TRACE_FILES["leval-csv"], rate=1.0, seed=draw_seed).requests[:n]))
-    for name, config in SYNTHETIC.items():  # (a cached system prompt: its own load factors)
-        out[f"stand-in: {name}"] = ("synthetic-prefix" if config.shared_prefix_len else
-                                    "synthetic",
-                                    lambda c=config: synthetic_workload(c, draw_seed)[:n])
-    return out
-
-
-def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[str] | None
-           ) -> dict[str, tuple[str, Callable[[], object]]]:
-    """The parts whose name contains one of the strings of `only` (case-insensitive, blanks
-    around them ignored); every part when `only` is empty or None.
-
-    Raises:
-      ValueError: `only` is a single string, has only blank strings, or matches no part.
-    """
-    if isinstance(only, str):
-        raise ValueError(f"only must be a sequence of strings, not the string {only!r}")
-    given = list(only or ())
-    keys = [k.strip().lower() for k in given if k.strip()]
-    if given and not keys:
-        raise ValueError(f"--parts {given} has only blank entries: give one or more parts of "
-                         f"part names, among {list(loaders)}")
-    chosen = {p: v for p, v in loaders.items() if not keys or any(k in p.lower() for k in keys)}
-    if not chosen:
-        raise ValueError(f"--parts {given} matches none of the parts: {list(loaders)}")
-    return chosen
 
 
 def cells(results: list[dict], part: str, model: str) -> list[dict]:
@@ -257,14 +189,16 @@ def write_json(out: pathlib.Path, settings: dict, rows: list[dict]) -> None:
 
 def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence[str],
         quick: bool, only: Sequence[str] | None = (), num_gpus: int = NUM_GPUS,
-        draw_seed: int = DRAW_SEED, gpu: str = GPU) -> list[dict]:
-    """Runs every part (`part_loaders`) for each setup in `models` on pools of `num_gpus`
+        draw_seed: int = DRAW_SEED, gpu: str = GPU, extra: Sequence[str] = ()) -> list[dict]:
+    """Runs every part (`part_loaders`, and those of `extra`: `extra_part_loaders`) for each
+    setup in `models` on pools of `num_gpus`
     GPUs of the profile `gpu`; returns the cells and writes them. With `only`, just the parts
     `select` picks (reading only what they need). `draw_seed`: the drawn parts' seed
     (`part_loaders`).
 
     Raises:
-      ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`),
+      ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`) or
+        `extra` (`extra_part_loaders`; a malformed extra trace only when its part is built),
         or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS], or
         `draw_seed` not an integer in [1, 2**63), or `gpu` not a name of
         `serving.policy.specs.GPUS` (all checked before any output is written or
@@ -292,6 +226,7 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
     if not isinstance(gpu, str) or gpu not in GPUS:  # (the flag is an enum; callers too)
         raise ValueError(f"--gpu must be one of {sorted(GPUS)}, got {gpu!r}")
     loaders = part_loaders(traces_dir, quick, draw_seed)
+    loaders.update(extra_part_loaders(extra, quick, draw_seed))
     chosen = select(loaders, only)
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
@@ -339,7 +274,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run(FLAGS.traces_dir, FLAGS.output_dir, FLAGS.models, FLAGS.seeds, FLAGS.quick,
-            FLAGS.parts, FLAGS.num_gpus, FLAGS.draw_seed, FLAGS.gpu)
+            FLAGS.parts, FLAGS.num_gpus, FLAGS.draw_seed, FLAGS.gpu, FLAGS.extra_parts)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 
