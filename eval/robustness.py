@@ -77,7 +77,9 @@ def define_flags() -> None:
                       "unmatched one lists the part names).")
     flags.DEFINE_multi_string("extra_parts", [], "A part of your own, KIND:PATH (repeatable): "
                               "a trace file or a folder of agent sessions (the formats of "
-                              "eval.traces.loaders.load_trace), swept at the load factors of "
+                              "eval.traces.loaders.load_trace; PATH may start with mooncake:, "
+                              "azure: or leval: where its name does not tell the format), "
+                              "read before anything runs and swept at the load factors of "
                               f"the workload KIND, one of {sorted(LOADS)} (agent sessions: "
                               "agents). Named 'extra KIND: PATH'; --parts=extra runs only "
                               "these.")
@@ -166,9 +168,15 @@ def _failed_line(rows: list[dict]) -> str:
 
 def settings_line(settings: dict) -> str:
     """The markdown's first line: what the run was (a `--quick` or `--parts` run is not the
-    full one)."""
-    parts_ = (f"all {len(settings['parts'])} parts" if settings["all_parts"] else
-              "parts " + "; ".join(settings["parts"]))
+    full one; the user's own parts, `--extra_parts`, are named)."""
+    extra = [p for p in settings["parts"] if p.startswith("extra ")]
+    builtin = [p for p in settings["parts"] if p not in extra]
+    if settings["all_parts"]:
+        parts_ = f"all {len(builtin)} parts"
+    else:
+        parts_ = "parts " + "; ".join(builtin) if builtin else ""
+    if extra:
+        parts_ += (" and " if parts_ else "parts ") + "; ".join(extra)
     gpus = settings.get("num_gpus", NUM_GPUS)
     size = f"pools of {gpus} GPUs (the comparison's: {NUM_GPUS}), " if gpus != NUM_GPUS else ""
     quick = "--quick (short parts, two loads), " if settings["quick"] else ""
@@ -226,12 +234,16 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
     if not isinstance(gpu, str) or gpu not in GPUS:  # (the flag is an enum; callers too)
         raise ValueError(f"--gpu must be one of {sorted(GPUS)}, got {gpu!r}")
     loaders = part_loaders(traces_dir, quick, draw_seed)
-    loaders.update(extra_part_loaders(extra, quick, draw_seed))
+    builtin = list(loaders)
+    extras = extra_part_loaders(extra, quick, draw_seed)
+    loaders.update(extras)
     chosen = select(loaders, only)
+    for name in chosen.keys() & extras.keys():  # (read now: a bad trace fails before output)
+        chosen[name][1]()
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)
     settings = {"models": models, "seeds": seeds, "quick": bool(quick),  # (what the files
-                "parts": list(chosen), "all_parts": len(chosen) == len(loaders),  # record)
+                "parts": list(chosen), "all_parts": set(builtin) <= chosen.keys(),  # record)
                 "num_gpus": num_gpus, "draw_seed": draw_seed, "gpu": gpu}
     rows: list[dict] = []
     for part, (wname, load) in chosen.items():

@@ -76,16 +76,22 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
                        ) -> dict[str, tuple[str, Callable[[], object]]]:
     """Parts of the user's own traces, like `part_loaders`'s: each spec `KIND:PATH` becomes
     the part `"extra KIND: PATH"`, swept at `LOADS[KIND]`. `PATH` is a trace file or a folder
-    of agent sessions (`eval.traces.loaders.load_trace` infers the format: a folder is
-    sessions, `.jsonl` Mooncake, `.csv` Azure or L-Eval); sessions (KIND "agents") replay
-    closed-loop, a request trace at `LOADS[KIND]` times its own cold capacity rate (an L-Eval
-    CSV, which has no timestamps, ordered with `draw_seed`). With `quick`, the first
-    `QUICK_REQUESTS` requests of a request trace. Nothing is read until a function is called.
+    of agent sessions, its format inferred by `eval.traces.loaders.load_trace` (a folder is
+    sessions, `.jsonl` Mooncake with 512-token `hash_ids`, `.csv` Azure or L-Eval) or named by
+    a prefix `FORMAT:` ("mooncake", "azure", "leval", "sessions"); `~` is expanded. Sessions
+    (KIND "agents") replay closed-loop, a request trace at `LOADS[KIND]` times its own cold
+    capacity rate (an L-Eval CSV, which has no timestamps, ordered with `draw_seed`). With
+    `quick`, the first `QUICK_REQUESTS` requests of a request trace. Nothing is read until a
+    function is called, and then once (`eval.robustness.run` reads the extra parts it runs
+    before any output, so a bad trace of one's own fails first).
 
     Raises:
-      ValueError: a spec without `KIND:` or an empty `PATH`, a `KIND` not a key of `LOADS`, a
-        `PATH` that does not exist, or (when built) a folder of sessions given with another
-        `KIND` than "agents"; when built, what the loaders raise for a malformed trace.
+      ValueError, naming `--extra_parts` and the spec: a spec without `KIND:` or an empty
+        `PATH`, a `KIND` not a key of `LOADS`, a `PATH` that does not exist, "agents" with a
+        path neither a folder nor a `.json` file (or a request-trace format), another `KIND`
+        with a folder or the "sessions" format; when built, what the loaders raise for a
+        malformed trace, sessions given with another `KIND`, or a request trace of fewer than
+        two requests or all at one time (its rate is measured from them).
     """
     if isinstance(specs, str):
         raise ValueError(f"extra parts must be a sequence of KIND:PATH strings, not the string "
@@ -99,20 +105,46 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
             raise ValueError(f"--extra_parts {spec!r}: expected KIND:PATH with KIND one of "
                              f"{sorted(LOADS)} (agent sessions: agents) and PATH a trace file "
                              "or a folder of agent sessions")
-        if not pathlib.Path(path).exists():
-            raise ValueError(f"--extra_parts {spec!r}: {path} does not exist")
-
-        def load(kind=kind, path=path):
-            if kind == "agents":
-                return load_sessions(path)
-            trace = load_trace(path, rate=1.0, seed=draw_seed)
-            if isinstance(trace, SessionWorkload):
-                raise ValueError(f"--extra_parts {kind}:{path}: {path} holds agent sessions, "
-                                 f"which replay closed-loop: give it as agents:{path}")
-            return trace.requests[:n]
-
-        out[f"extra {kind}: {path}"] = (kind, load)
+        fmt, sep, rest = path.partition(":")
+        fmt, file = (fmt, rest) if sep and fmt in _FORMATS else ("auto", path)
+        p = pathlib.Path(file).expanduser()
+        if not p.exists():
+            raise ValueError(f"--extra_parts {spec!r}: {file} does not exist")
+        if kind == "agents" and (fmt not in ("auto", "sessions") or not (
+                p.is_dir() or p.suffix == ".json")):
+            raise ValueError(f"--extra_parts {spec!r}: agents takes a folder of agent session "
+                             f"files or one .json session file; {path} is neither (a request "
+                             f"trace is given as one of {sorted(set(LOADS) - {'agents'})})")
+        if kind != "agents" and (fmt == "sessions" or p.is_dir()):
+            raise ValueError(f"--extra_parts {spec!r}: {kind} takes a request trace file (.jsonl "
+                             f"Mooncake, .csv Azure or L-Eval); {path} is agent sessions "
+                             f"(give it as agents:{path})")
+        out[f"extra {kind}: {path}"] = (kind, functools.cache(functools.partial(
+            _load_extra, f"--extra_parts {kind}:{path}", kind, p, fmt, n, draw_seed)))
     return out
+
+
+_FORMATS = ("mooncake", "azure", "leval", "sessions")  # `load_trace`'s format prefixes
+
+
+def _load_extra(flag: str, kind: str, path: pathlib.Path, fmt: str, n: int | None,
+                draw_seed: int) -> object:
+    """An extra part's sessions or requests (`extra_part_loaders`); errors name `flag`."""
+    try:
+        if kind == "agents":
+            return load_sessions(path)
+        trace = load_trace(path, fmt=fmt, rate=1.0, seed=draw_seed)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{flag}: {e}") from e
+    if isinstance(trace, SessionWorkload):
+        raise ValueError(f"{flag}: {path} holds agent sessions, which replay closed-loop: give "
+                         f"it as agents:{path}")
+    reqs = trace.requests[:n]
+    if len(reqs) < 2 or reqs[-1].arrival_time <= reqs[0].arrival_time:
+        span = reqs[-1].arrival_time - reqs[0].arrival_time if reqs else 0.0
+        raise ValueError(f"{flag}: a request trace needs at least 2 requests spread over time "
+                         f"(its rate is measured from them), got {len(reqs)} over {span:g} s")
+    return reqs
 
 
 def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[str] | None
@@ -132,5 +164,6 @@ def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[
                          f"part names, among {list(loaders)}")
     chosen = {p: v for p, v in loaders.items() if not keys or any(k in p.lower() for k in keys)}
     if not chosen:
-        raise ValueError(f"--parts {given} matches none of the parts: {list(loaders)}")
+        raise ValueError(f"--parts {given} matches none of the parts: {list(loaders)} (a trace "
+                         "of your own is a part only with --extra_parts=KIND:PATH)")
     return chosen

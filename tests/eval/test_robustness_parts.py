@@ -57,8 +57,13 @@ def test_extra_parts_are_named_by_kind_and_path_and_load_lazily(tmp_path, monkey
     # nothing is read until a part is built: a file that turns malformed fails then
     late = extra_part_loaders([f"code:{trace}"])
     trace.write_text('{"timestamp": 0}\n')
-    with pytest.raises(ValueError, match="input_length"):
+    with pytest.raises(ValueError, match=rf"^--extra_parts code:{trace}: .*input_length"):
         next(iter(late.values()))[1]()
+    # read once: a second call returns the same object
+    other = tmp_path / "b.jsonl"
+    _mooncake(other, seed=1)
+    (_, again), = extra_part_loaders([f"production:{other}"]).values()
+    assert again() is again()
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -66,22 +71,44 @@ def test_extra_parts_are_named_by_kind_and_path_and_load_lazily(tmp_path, monkey
     ("production:", "expected KIND:PATH"),
     ("chat:{trace}", "expected KIND:PATH"),
     ("agents:{missing}", "does not exist"),
+    ("production:mooncake:{missing}", "does not exist"),
+    ("agents:{trace}", r"agents takes a folder of agent session files or one \.json session"),
+    ("agents:mooncake:{folder}", "agents takes a folder"),
+    ("production:{folder}", r"production takes a request trace file .*\(give it as agents:"),
+    ("code:sessions:{folder}", "code takes a request trace file"),
 ])
 def test_a_bad_extra_part_is_refused_naming_the_flag(tmp_path, spec, message):
     trace, missing = tmp_path / "t.jsonl", tmp_path / "nothing-here"
     _mooncake(trace)
+    folder = _sessions(tmp_path / "agents")
     with pytest.raises(ValueError, match=message) as e:
-        extra_part_loaders([spec.format(trace=trace, missing=missing)])
+        extra_part_loaders([spec.format(trace=trace, missing=missing, folder=folder)])
     assert str(e.value).startswith("--extra_parts ")
 
 
-def test_sessions_given_as_a_request_workload_are_refused_when_built(tmp_path):
-    folder = _sessions(tmp_path / "agents")
-    (_, load), = extra_part_loaders([f"production:{folder}"]).values()
-    with pytest.raises(ValueError, match=rf"holds agent sessions.*give it as agents:{folder}"):
+def test_format_prefixes_home_and_bad_contents(tmp_path, monkeypatch):
+    named = tmp_path / "log.txt"  # a Mooncake trace whose name does not tell its format
+    rows = _mooncake(named)
+    (_, load), = extra_part_loaders([f"production:mooncake:{named}"]).values()
+    assert [r.input_len for r in load()] == [r["input_length"] for r in rows]
+    (_, load), = extra_part_loaders([f"production:{named}"]).values()
+    with pytest.raises(ValueError, match=rf"^--extra_parts production:{named}: .*format"):
+        load()
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is expanded
+    (_, load), = extra_part_loaders(["code:mooncake:~/log.txt"]).values()
+    assert len(load()) == len(rows)
+    # a single session file given as a request trace, and too few requests for a rate
+    one = _sessions(tmp_path / "one", ids=("x",)) / "x.json"
+    (_, load), = extra_part_loaders([f"production:{one}"]).values()
+    with pytest.raises(ValueError, match=rf"^--extra_parts production:{one}: "):
+        load()
+    single = tmp_path / "single.jsonl"
+    _mooncake(single, n=1)
+    (_, load), = extra_part_loaders([f"code:{single}"]).values()
+    with pytest.raises(ValueError, match=r"at least 2 requests spread over time.*got 1 over 0 s"):
         load()
     with pytest.raises(ValueError, match="not the string"):
-        extra_part_loaders(f"production:{folder}")
+        extra_part_loaders(f"production:{single}")
 
 
 def test_robustness_runs_only_the_extra_parts_against_the_best_baseline(tmp_path):
@@ -113,8 +140,26 @@ def test_robustness_runs_only_the_extra_parts_against_the_best_baseline(tmp_path
         assert row["change"] == pytest.approx(ours["mean_ttft_ms"] / best["mean_ttft_ms"] - 1)
     saved = json.loads((tmp_path / "out" / "robustness.json").read_text())
     assert saved["settings"]["parts"] == [f"extra code: {trace}"]
-    # a bad spec is refused before the output folder is made
-    with pytest.raises(ValueError, match="--extra_parts"):
-        rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-30b-a3b"], [], False, [],
-               extra=["code"])
-    assert not (tmp_path / "bad").exists()
+    assert (tmp_path / "out" / "robustness.md").read_text().startswith(
+        f"Run: models qwen3-30b-a3b; parts extra code: {trace}; ")
+    # a bad spec, or a trace that turns out malformed, is refused before the output folder is
+    # made and before any part runs
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"timestamp": 0}\n{"timestamp": 1}\n')
+    for extra in (["code"], [f"code:{broken}"]):
+        with pytest.raises(ValueError, match="--extra_parts"):
+            rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-30b-a3b"], [], False,
+                   ["stand-in", "extra"], extra=extra)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_the_run_line_names_the_extra_parts():
+    from eval.robustness import settings_line
+    base = {"models": ["qwen3-32b"], "seeds": [1], "quick": False}
+    builtin = [f"part {i}" for i in range(14)]
+    assert settings_line({**base, "parts": builtin + ["extra agents: x"], "all_parts": True}) \
+        == "Run: models qwen3-32b; all 14 parts and extra agents: x; re-run under noise seeds 1."
+    assert settings_line({**base, "parts": ["part 3", "extra code: y"], "all_parts": False}) \
+        == "Run: models qwen3-32b; parts part 3 and extra code: y; re-run under noise seeds 1."
+    assert settings_line({**base, "parts": builtin, "all_parts": True}) \
+        == "Run: models qwen3-32b; all 14 parts; re-run under noise seeds 1."
