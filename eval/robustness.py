@@ -206,7 +206,8 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
 
     Raises:
       ValueError: an unknown model, a seed that is not an integer, a bad `only` (`select`) or
-        `extra` (`extra_part_loaders`; a malformed extra trace only when its part is built),
+        `extra` (`extra_part_loaders`; the chosen extra parts are read before any output, so
+        a malformed trace of one's own fails then too),
         or `num_gpus` not a multiple of the setups' largest CP degree in [it, MAX_GPUS], or
         `draw_seed` not an integer in [1, 2**63), or `gpu` not a name of
         `serving.policy.specs.GPUS` (all checked before any output is written or
