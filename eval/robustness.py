@@ -77,12 +77,14 @@ def define_flags() -> None:
                       "unmatched one lists the part names).")
     flags.DEFINE_multi_string("extra_parts", [], "A part of your own, KIND:PATH (repeatable): "
                               "a trace file or a folder of agent sessions (the formats of "
-                              "eval.traces.loaders.load_trace; PATH may start with mooncake:, "
-                              "azure: or leval: where its name does not tell the format), "
+                              "eval.traces.loaders.load_trace, Mooncake JSONL with 512-token "
+                              "hash_ids; PATH may start with mooncake:, azure:, leval: or "
+                              "sessions: where its name does not tell the format), "
                               "read before anything runs and swept at the load factors of "
                               f"the workload KIND, one of {sorted(LOADS)} (agent sessions: "
-                              "agents). Named 'extra KIND: PATH'; --parts=extra runs only "
-                              "these.")
+                              "agents; KIND leval is the Mooncake long-document trace's, an "
+                              "L-Eval CSV's is leval-csv). Named 'extra KIND: PATH'; "
+                              "--parts=extra runs only these.")
 
 
 LINE = 0.02  # issue 15: at most 2 % above the best baseline
@@ -239,7 +241,7 @@ def run(traces_dir: str, output_dir: str, models: Sequence[str], seeds: Sequence
     extras = extra_part_loaders(extra, quick, draw_seed)
     loaders.update(extras)
     chosen = select(loaders, only)
-    for name in chosen.keys() & extras.keys():  # (read now: a bad trace fails before output)
+    for name in [n for n in chosen if n in extras]:  # (read now: a bad trace fails first)
         chosen[name][1]()
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)  # (before the sweeps: a bad folder fails first)

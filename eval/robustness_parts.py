@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from eval.paper_setup import LOADS, QUICK_REQUESTS, TRACE_FILES
 from eval.traces.loaders import load_trace
-from eval.traces.sessions import SessionWorkload, load_sessions
+from eval.traces.sessions import load_sessions
 from eval.traces.synthetic import SYNTHETIC, synthetic_workload
 from eval.traces.workloads import tool_agent_workload
 from serving.policy.request import Request
@@ -88,10 +88,11 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
     Raises:
       ValueError, naming `--extra_parts` and the spec: a spec without `KIND:` or an empty
         `PATH`, a `KIND` not a key of `LOADS`, a `PATH` that does not exist, "agents" with a
-        path neither a folder nor a `.json` file (or a request-trace format), another `KIND`
-        with a folder or the "sessions" format; when built, what the loaders raise for a
-        malformed trace, sessions given with another `KIND`, or a request trace of fewer than
-        two requests or all at one time (its rate is measured from them).
+        path neither a folder nor a `.json` file (nor prefixed "sessions:"), or with a
+        request-trace format, another `KIND` with a folder or the "sessions" format; when
+        built, what the loaders raise for a malformed trace (a name that does not tell the
+        format included), or a request trace of fewer than two requests or all at one time
+        (its rate is measured from them).
     """
     if isinstance(specs, str):
         raise ValueError(f"extra parts must be a sequence of KIND:PATH strings, not the string "
@@ -111,7 +112,7 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
         if not p.exists():
             raise ValueError(f"--extra_parts {spec!r}: {file} does not exist")
         if kind == "agents" and (fmt not in ("auto", "sessions") or not (
-                p.is_dir() or p.suffix == ".json")):
+                p.is_dir() or p.suffix.lower() == ".json" or fmt == "sessions")):
             raise ValueError(f"--extra_parts {spec!r}: agents takes a folder of agent session "
                              f"files or one .json session file; {path} is neither (a request "
                              f"trace is given as one of {sorted(set(LOADS) - {'agents'})})")
@@ -135,10 +136,11 @@ def _load_extra(flag: str, kind: str, path: pathlib.Path, fmt: str, n: int | Non
             return load_sessions(path)
         trace = load_trace(path, fmt=fmt, rate=1.0, seed=draw_seed)
     except (ValueError, OSError) as e:
+        if fmt == "auto" and "cannot tell the format" in str(e):
+            raise ValueError(f"{flag}: cannot tell the format of {path} from its name: give it "
+                             f"as {kind}:mooncake:PATH, {kind}:azure:PATH or {kind}:leval:PATH "
+                             "(a .json session file: agents:PATH)") from e
         raise ValueError(f"{flag}: {e}") from e
-    if isinstance(trace, SessionWorkload):
-        raise ValueError(f"{flag}: {path} holds agent sessions, which replay closed-loop: give "
-                         f"it as agents:{path}")
     reqs = trace.requests[:n]
     if len(reqs) < 2 or reqs[-1].arrival_time <= reqs[0].arrival_time:
         span = reqs[-1].arrival_time - reqs[0].arrival_time if reqs else 0.0

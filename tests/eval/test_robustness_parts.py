@@ -92,7 +92,8 @@ def test_format_prefixes_home_and_bad_contents(tmp_path, monkeypatch):
     (_, load), = extra_part_loaders([f"production:mooncake:{named}"]).values()
     assert [r.input_len for r in load()] == [r["input_length"] for r in rows]
     (_, load), = extra_part_loaders([f"production:{named}"]).values()
-    with pytest.raises(ValueError, match=rf"^--extra_parts production:{named}: .*format"):
+    with pytest.raises(ValueError, match=rf"^--extra_parts production:{named}: cannot tell the "
+                       r"format .* as production:mooncake:PATH, "):
         load()
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ is expanded
     (_, load), = extra_part_loaders(["code:mooncake:~/log.txt"]).values()
@@ -100,8 +101,15 @@ def test_format_prefixes_home_and_bad_contents(tmp_path, monkeypatch):
     # a single session file given as a request trace, and too few requests for a rate
     one = _sessions(tmp_path / "one", ids=("x",)) / "x.json"
     (_, load), = extra_part_loaders([f"production:{one}"]).values()
-    with pytest.raises(ValueError, match=rf"^--extra_parts production:{one}: "):
+    with pytest.raises(ValueError, match=r"\(a \.json session file: agents:PATH\)"):
         load()
+    upper = one.with_name("Y.JSON")  # any case of .json, or any name with sessions:
+    upper.write_text(one.read_text().replace('"x"', '"y"'))
+    odd = one.with_name("z.log")
+    odd.write_text(one.read_text().replace('"x"', '"z"'))
+    for spec in (f"agents:{upper}", f"agents:sessions:{odd}"):
+        (_, load), = extra_part_loaders([spec]).values()
+        assert len(load().roots) == 1
     single = tmp_path / "single.jsonl"
     _mooncake(single, n=1)
     (_, load), = extra_part_loaders([f"code:{single}"]).values()
@@ -146,8 +154,10 @@ def test_robustness_runs_only_the_extra_parts_against_the_best_baseline(tmp_path
     # made and before any part runs
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"timestamp": 0}\n{"timestamp": 1}\n')
-    for extra in (["code"], [f"code:{broken}"]):
-        with pytest.raises(ValueError, match="--extra_parts"):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for extra in (["code"], [f"code:{broken}"], [f"agents:{empty}", f"code:{broken}"]):
+        with pytest.raises(ValueError, match="--extra_parts '?" + extra[0][:4]):  # (in order)
             rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-30b-a3b"], [], False,
                    ["stand-in", "extra"], extra=extra)
         assert not (tmp_path / "bad").exists()
