@@ -73,8 +73,8 @@ def define_flags() -> None:
                       "is h20; another one has other compute, memory bandwidth and capacity: "
                       "hardware the comparison never ran on).")
     flags.DEFINE_list("parts", [], "Run only the parts whose name contains one of these "
-                      "strings (comma-separated, case-insensitive; empty: every part; an "
-                      "unmatched one lists the part names).")
+                      "strings (comma-separated, case-insensitive; empty: every part; one "
+                      "that matches no part is refused, listing the part names).")
     flags.DEFINE_multi_string("extra_parts", [], "A part of your own, KIND:PATH (repeatable): "
                               "a trace file or a folder of agent sessions (the formats of "
                               "eval.traces.loaders.load_trace, Mooncake JSONL with 512-token "

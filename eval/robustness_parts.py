@@ -155,7 +155,8 @@ def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[
     around them ignored); every part when `only` is empty or None.
 
     Raises:
-      ValueError: `only` is a single string, has only blank strings, or matches no part.
+      ValueError: `only` is a single string, has only blank strings, or has a string that
+        matches no part (a misspelt part is not skipped in silence).
     """
     if isinstance(only, str):
         raise ValueError(f"only must be a sequence of strings, not the string {only!r}")
@@ -165,7 +166,9 @@ def select(loaders: dict[str, tuple[str, Callable[[], object]]], only: Sequence[
         raise ValueError(f"--parts {given} has only blank entries: give one or more parts of "
                          f"part names, among {list(loaders)}")
     chosen = {p: v for p, v in loaders.items() if not keys or any(k in p.lower() for k in keys)}
-    if not chosen:
-        raise ValueError(f"--parts {given} matches none of the parts: {list(loaders)} (a trace "
-                         "of your own is a part only with --extra_parts=KIND:PATH)")
+    unmatched = [k for k in keys if not any(k in p.lower() for p in loaders)]
+    if unmatched:
+        what = "none of the parts" if not chosen else f"no part for {unmatched}"
+        raise ValueError(f"--parts {given} matches {what}: {list(loaders)} (a trace of your own "
+                         "is a part only with --extra_parts=KIND:PATH)")
     return chosen

@@ -178,6 +178,7 @@ def test_parts_filter_runs_only_the_named_parts(tmp_path, monkeypatch):
             rb.run(str(tmp_path), str(tmp_path / "bad"), ["qwen3-32b"], [], False, [], 40, 1, gpu)
     assert not (tmp_path / "bad").exists()
     for bad, message in ((["nothing"], r"--parts \['nothing'\] matches none of the parts: \["),
+                         (["stand-in", "stnad-in"], r"matches no part for \['stnad-in'\]: \["),
                          ([" ", ""], r"has only blank entries"),
                          ("stand-in", r"only must be a sequence of strings, not the string")):
         with pytest.raises(ValueError, match=message):
