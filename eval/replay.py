@@ -34,7 +34,7 @@ from eval import report
 from eval.experiment import ReplayConfig, run_degrees, run_sweep
 from eval.replay_config import parse_host_failures
 from eval.sim.simulator import SimConfig
-from eval.traces.loaders import load_trace, sample_window
+from eval.traces.loaders import TRACE_FORMATS, load_trace, sample_window
 from eval.traces.sessions import SessionWorkload
 from eval.traces.workloads import tool_agent_workload, workload_stats
 from serving.policy.replication import SCALEOUT_GB_PER_S
@@ -42,7 +42,7 @@ from serving.policy.specs import GPUS, MODELS
 
 _TRACE = flags.DEFINE_string("trace", "", "Trace file, or a folder of agent-session files "
                              "(replayed closed-loop); empty = the built-in Tool-Agent workload.")
-_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", *TRACE_FORMATS],
                             "Trace format; auto = a folder is agent sessions, else from the file "
                             "suffix and CSV header.")
 _TRACE_BLOCK = flags.DEFINE_integer("trace_block_size", 512, "Mooncake-format traces: tokens per "

@@ -14,10 +14,10 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 from eval.paper_setup import LOADS, QUICK_REQUESTS, TRACE_FILES
-from eval.traces.loaders import load_trace
+from eval.traces.loaders import TRACE_FORMATS, UnknownTraceFormat, load_trace
 from eval.traces.sessions import load_sessions
 from eval.traces.synthetic import SYNTHETIC, synthetic_workload
-from eval.traces.workloads import tool_agent_workload
+from eval.traces.workloads import native_rate, tool_agent_workload
 from serving.policy.request import Request
 
 DRAW_SEED = 1  # the drawn parts' seed (the comparison's own draws use 0)
@@ -107,7 +107,7 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
                              f"{sorted(LOADS)} (agent sessions: agents) and PATH a trace file "
                              "or a folder of agent sessions")
         fmt, sep, rest = path.partition(":")
-        fmt, file = (fmt, rest) if sep and fmt in _FORMATS else ("auto", path)
+        fmt, file = (fmt, rest) if sep and fmt in TRACE_FORMATS else ("auto", path)
         p = pathlib.Path(file).expanduser()
         if not p.exists():
             raise ValueError(f"--extra_parts {spec!r}: {file} does not exist")
@@ -125,9 +125,6 @@ def extra_part_loaders(specs: Sequence[str], quick: bool = False, draw_seed: int
     return out
 
 
-_FORMATS = ("mooncake", "azure", "leval", "sessions")  # `load_trace`'s format prefixes
-
-
 def _load_extra(flag: str, kind: str, path: pathlib.Path, fmt: str, n: int | None,
                 draw_seed: int) -> object:
     """An extra part's sessions or requests (`extra_part_loaders`); errors name `flag`."""
@@ -135,17 +132,20 @@ def _load_extra(flag: str, kind: str, path: pathlib.Path, fmt: str, n: int | Non
         if kind == "agents":
             return load_sessions(path)
         trace = load_trace(path, fmt=fmt, rate=1.0, seed=draw_seed)
+    except UnknownTraceFormat as e:  # (its hint names eval.replay's flag: give this one's)
+        raise ValueError(f"{flag}: cannot tell the format of {path} from its name: give it "
+                         f"as {kind}:mooncake:PATH, {kind}:azure:PATH or {kind}:leval:PATH "
+                         "(a .json session file: agents:PATH)") from e
     except (ValueError, OSError) as e:
-        if fmt == "auto" and "cannot tell the format" in str(e):
-            raise ValueError(f"{flag}: cannot tell the format of {path} from its name: give it "
-                             f"as {kind}:mooncake:PATH, {kind}:azure:PATH or {kind}:leval:PATH "
-                             "(a .json session file: agents:PATH)") from e
         raise ValueError(f"{flag}: {e}") from e
     reqs = trace.requests[:n]
-    if len(reqs) < 2 or reqs[-1].arrival_time <= reqs[0].arrival_time:
+    try:
+        native_rate(reqs)  # (the sweep scales the trace by it)
+    except ValueError:
         span = reqs[-1].arrival_time - reqs[0].arrival_time if reqs else 0.0
         raise ValueError(f"{flag}: a request trace needs at least 2 requests spread over time "
-                         f"(its rate is measured from them), got {len(reqs)} over {span:g} s")
+                         f"(its rate is measured from them), got {len(reqs)} over {span:g} s"
+                         ) from None
     return reqs
 
 

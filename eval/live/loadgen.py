@@ -95,6 +95,7 @@ from eval.live.openai_stream import model_entry, vocab_size
 from eval.live.prompts import PromptScale, scaled_requests
 from eval.metrics import summarize
 from eval.traces.closed_loop import ClosedLoop, session_starts
+from eval.traces.loaders import TRACE_FORMATS
 from eval.traces.sessions import SessionWorkload
 
 _BACKEND = flags.DEFINE_enum("backend", "vertumnus", list(BACKENDS), "Server kind: this "
@@ -130,7 +131,7 @@ _SERVER_FLAGS = flags.DEFINE_string(
     "controller merging four CP-2 workers under this light load.")
 _TRACE = flags.DEFINE_string("trace", "", "Trace file (as eval.replay); empty = the built-in "
                              "Tool-Agent workload.")
-_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", "mooncake", "azure", "leval", "sessions"],
+_FORMAT = flags.DEFINE_enum("trace_format", "auto", ["auto", *TRACE_FORMATS],
                             "Trace format (a folder is agent sessions).")
 _SESSION_RATE = flags.DEFINE_float("session_rate", 0.5, "Agent sessions: session starts per "
                                    "second during --duration.", lower_bound=1e-6)

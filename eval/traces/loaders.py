@@ -53,6 +53,13 @@ from eval.traces.sessions import SessionWorkload, load_sessions
 from serving.policy.request import Request, chain_block_hashes, num_blocks
 
 MOONCAKE_BLOCK_SIZE = 512  # tokens per `hash_ids` entry in the Mooncake traces
+TRACE_FORMATS = ("mooncake", "azure", "leval", "sessions")  # `load_trace`'s formats and prefixes
+
+
+class UnknownTraceFormat(ValueError):
+    """`load_trace` with `fmt="auto"` cannot tell a file's format from its name or header."""
+
+
 # Segment-kind tags, mixed into segment ids so ids of different loaders never collide.
 _TAG_AZURE = 0x415A5552
 _TAG_LEVAL_DOC, _TAG_LEVAL_INSTR = 0x4C444F43, 0x4C494E53
@@ -289,12 +296,13 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
       A `Trace`, or a `SessionWorkload` for agent sessions (replayed closed-loop).
 
     Raises:
-      ValueError: unknown format, or an L-Eval load without `rate`; and what the loader raises
+      ValueError: unknown format (`UnknownTraceFormat` where `fmt="auto"` cannot tell it), or
+        an L-Eval load without `rate`; and what the loader raises
         (`TraceFormatError`, a ValueError, for a malformed trace or a path that is not a regular
         file, or for sessions a regular file or a folder of them).
       OSError: the trace cannot be read.
     """
-    formats = ("mooncake", "azure", "leval", "sessions")
+    formats = TRACE_FORMATS
     spec = str(spec)
     head, sep, rest = spec.partition(":")
     if sep and head in formats:
@@ -313,7 +321,7 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
             header = head.splitlines()[0] if head else ""
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
-            raise ValueError(f"cannot tell the format of {spec!r} from its name or header: give it "
+            raise UnknownTraceFormat(f"cannot tell the format of {spec!r} from its name or header: give it "
                              f"(--trace_format, or a 'mooncake:'/'azure:'/'leval:'/'sessions:' prefix) as one of {formats}")
     if fmt == "sessions":
         return load_sessions(path, block_size=block_size, warm_prefix_pct=warm_prefix_pct,
