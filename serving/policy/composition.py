@@ -57,8 +57,11 @@ mean TTFT is below stay's by at least `min_gain` (relative) and `min_gain_s` (ab
 at a time, then `cooldown_s` (except after an overload's step, a refused prompt's merge or a
 step back from a split, below), and no change undoes the previous one (a merge after a split,
 or the reverse) within `reverse_after_s`, so noisy windows cannot make it flap (but for the
-steps back from a split, below). As a change stands that long, it is made only if it also does
-not lose to staying on the arrivals of the last `reverse_after_s`, replayed from idle workers:
+steps back from a split, below, and the overload rule's splits, which a merge does not hold
+back: past the margin the queues grow whatever was merged, and a merge on a light window then
+kept a pool overloaded for `reverse_after_s`, eval/RESULTS.md item 29). As a change stands
+that long, it is made only if it also does not lose to staying on the arrivals of the last
+`reverse_after_s`, replayed from idle workers:
 a window of a passing burst predicts a gain the arrivals after it do not give. With no
 candidate better by the margin, every composition is compared with the current one on equal terms
 (`whatif.target_composition`); toward one better by the margin, a step gaining a fifth of it is

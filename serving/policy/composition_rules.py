@@ -71,15 +71,15 @@ class CompositionRules:
         free = {w.worker_id: w.outstanding_seconds(now) for w in active}
         stay, _ = replay_ttft([w.cp_degree for w in active], window, cfg.lam,
                               [free[w.worker_id] for w in active])
-        options = []
+        options, back = [], []  # (back: splits undoing a merge, for the overload rule only)
         last_kind, last_time = self._last
         kv_bound = kv_pressure(scheduler, active, now)
         for olds, news in candidate_changes(active, now, set(degrees), cfg, self.longest,
                                             self.max_input_len):
             kind = "split" if len(news) > len(olds) else "merge"
             undoes = last_kind not in (None, kind) and now - last_time < cfg.reverse_after_s
-            if undoes and (kind == "split" or cached):
-                continue  # no undoing a merge (nor, with cached prefixes, a split) that soon
+            if undoes and kind == "merge" and cached:
+                continue  # no undoing a split that soon with cached prefixes
             if kind == "split" and kv_bound is not None and kv_bound >= 1.0:
                 continue  # the caches bind, not the compute: a split costs context (module doc)
             start = change_start(olds, news, now, cfg)
@@ -90,20 +90,22 @@ class CompositionRules:
             if unheld:
                 continue
             label = f"{kind} {[w.worker_id for w in olds]}"
-            options.append((ttft, label, olds, news, pool_load(comp, window, elapsed), undoes))
+            # a split undoing a merge within `reverse_after_s`: the overload rule's only
+            (back if undoes and kind == "split" else options).append(
+                (ttft, label, olds, news, pool_load(comp, window, elapsed), undoes))
         figures = [("stay", stay)] + [(label, t) for t, label, *_ in sorted(
-            options, key=lambda o: o[0])]
+            options + back, key=lambda o: o[0])]
         if kv_bound is not None:
             figures.append(("reused live working set / KV capacity", kv_bound))
         figures.append(("load (work / capacity) staying", load))
         if clear:
             figures.append(("backlog to clear by the next evaluation / capacity", clear))
-        if not options:
+        if not options and not (back and excess > over):  # (`back`: the overload rule's)
             return None, figures, False
         # a merge undoing a split within `reverse_after_s` is only a step toward the target
         free_options = [o for o in options if not o[5]]
-        if excess > over and free_options:  # overloaded: queues grow; add capacity first
-            best = min(free_options, key=lambda o: o[4])
+        if excess > over and free_options + back:  # overloaded: queues grow; add capacity
+            best = min(free_options + back, key=lambda o: o[4])  # (a merge made or not)
             # cut the excess `load - 1` (the queues' growth) by a fifth of the margin, or (only
             # the backlog left) lower the load; a first step no worse than staying (module doc)
             if best[4] < min(load, load - (load - 1.0) * cfg.min_gain / 5) and (
@@ -152,6 +154,9 @@ class CompositionRules:
             ttft, label, olds, news, after, self._undoing = min(toward, key=lambda o: o[0])
             figures.remove((label, ttft))  # (listed once, as the step toward the target)
             figures.insert(1, (label + " (toward the target)", ttft))
+        else:  # (the change made is logged second, after stay)
+            figures.remove((label, ttft))
+            figures.insert(1, (label, ttft))
         horizon = self._loses_on_horizon(  # (a step back: on all of the last reverse_after_s)
             scheduler, active, olds, news, now, len(sample), figures,
             self._since if self._undoing else self._horizon)

@@ -339,3 +339,59 @@ def test_an_overload_rule_that_ran_recently_resumes_above_a_load_of_1(ago, start
     assert f["load (work / capacity) staying"] == pytest.approx(1.1, rel=0.01)
     assert ("(load " in figures[1][0] and urgent and op[0][0] == "split") if starts else all(
         "(load " not in label for label, _ in figures), figures
+
+
+def test_an_overload_splits_a_pool_that_merged_within_reverse_after_s():
+    # 1-3K-token prompts at 90 req/s on [8, 8] (about 68 a second: a load of about 1.3, past
+    # the overload rule's 1.25). A pool that merged just before (`_last`: a merge at 0 s, well
+    # within `reverse_after_s`) splits as soon, and as the same rule, as one that did not.
+    # Before, a split undoing a merge was refused for `reverse_after_s` even under overload:
+    # a hedged initial choice merged on a light window then sat through a rate rise with P99
+    # at 35 s (eval/RESULTS.md, "An initial choice hedged against a rising rate").
+    reqs = short_prompts(5400, 90.0)
+
+    def run(merged):
+        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
+                                    lambda c: 100_000)
+
+        def attach(s):
+            ctl.attach(s)
+            if merged:
+                ctl._last = ("merge", 0.0)
+
+        recs = simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+                        COST.predict, SIM, setup=[attach])
+        splits = [d for d in ctl.decisions if d.get("kind") == "split"]
+        arrival = np.array([r.request.arrival_time for r in recs])
+        late = np.array([r.ttft for r in recs])[arrival > arrival.max() - 20].mean()
+        return splits, len(recs), late
+
+    fresh, merged = run(False), run(True)
+    assert merged[0] and "(load " in merged[0][0]["chosen"], merged[0][:1]  # the overload rule
+    assert merged[0][0]["time"] == fresh[0][0]["time"] < 30.0
+    assert merged[1] == fresh[1] == len(reqs) and merged[2] < 0.5, (merged[2], fresh[2])
+
+
+def test_after_a_recent_merge_only_the_overload_rule_splits():
+    # At 80 req/s on [8, 8] (a load of about 1.1-1.2, under the margin) a fresh pool is split
+    # by the full comparison (the splits to its target, within 10 s); one that merged just
+    # before is not (the comparison still waits out `reverse_after_s`), and only the overload
+    # rule splits it, once the load plus the backlog to clear is past 1.25, later.
+    reqs = short_prompts(8000, 80.0, 4, 104)
+    firsts = []
+    for merged in (False, True):
+        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
+                                    lambda c: 100_000)
+
+        def attach(s, ctl=ctl, merged=merged):
+            ctl.attach(s)
+            if merged:
+                ctl._last = ("merge", 0.0)
+
+        simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+                 COST.predict, SIM, setup=[attach])
+        firsts.append(next(d for d in ctl.decisions if d.get("kind")))
+    fresh, merged = firsts
+    assert fresh["chosen"].startswith("splits to the target") and fresh["time"] < 10.0, fresh
+    assert merged["kind"] == "split" and "(load " in merged["chosen"], merged
+    assert merged["time"] > fresh["time"]
