@@ -302,10 +302,9 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
         file, or for sessions a regular file or a folder of them).
       OSError: the trace cannot be read.
     """
-    formats = TRACE_FORMATS
     spec = str(spec)
     head, sep, rest = spec.partition(":")
-    if sep and head in formats:
+    if sep and head in TRACE_FORMATS:
         if fmt not in ("auto", head):
             raise ValueError(f"fmt={fmt!r} contradicts the spec prefix {head!r}")
         fmt, spec = head, rest
@@ -321,8 +320,10 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
             header = head.splitlines()[0] if head else ""
             fmt = "azure" if "TIMESTAMP" in header else "leval" if "doc_id" in header else ""
         if fmt == "auto" or not fmt:
-            raise UnknownTraceFormat(f"cannot tell the format of {spec!r} from its name or header: give it "
-                             f"(--trace_format, or a 'mooncake:'/'azure:'/'leval:'/'sessions:' prefix) as one of {formats}")
+            raise UnknownTraceFormat(
+                f"cannot tell the format of {spec!r} from its name or header: give it "
+                "(--trace_format, or a 'mooncake:'/'azure:'/'leval:'/'sessions:' prefix) as one "
+                f"of {TRACE_FORMATS}")
     if fmt == "sessions":
         return load_sessions(path, block_size=block_size, warm_prefix_pct=warm_prefix_pct,
                              skip_malformed=skip_malformed)
@@ -335,7 +336,7 @@ def load_trace(spec: str | pathlib.Path, fmt: str = "auto", block_size: int = 51
         if rate is None:
             raise ValueError("rate (requests/s) is required for an L-Eval trace, got None")
         return load_leval(path, rate, seed, block_size=block_size, skip_malformed=skip_malformed)
-    raise ValueError(f"fmt must be 'auto' or one of {formats}, got {fmt!r}")
+    raise ValueError(f"fmt must be 'auto' or one of {TRACE_FORMATS}, got {fmt!r}")
 
 
 def sample_window(requests: Sequence[Request], duration_s: float, seed: int) -> list[Request]:

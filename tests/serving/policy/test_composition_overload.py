@@ -341,6 +341,21 @@ def test_an_overload_rule_that_ran_recently_resumes_above_a_load_of_1(ago, start
         "(load " not in label for label, _ in figures), figures
 
 
+def _on_8_8(reqs, merged):
+    """`(controller, records)` of `reqs` simulated on [8, 8] under the default controller
+    (degrees 1-8); `merged`: as if it had merged at 0 s (its last change)."""
+    ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8), lambda c: 100_000)
+
+    def attach(s):
+        ctl.attach(s)
+        if merged:
+            ctl._last = ("merge", 0.0)
+
+    recs = simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
+                    COST.predict, SIM, setup=[attach])
+    return ctl, recs
+
+
 def test_an_overload_splits_a_pool_that_merged_within_reverse_after_s():
     # 1-3K-token prompts at 90 req/s on [8, 8] (about 68 a second: a load of about 1.3, past
     # the overload rule's 1.25). A pool that merged just before (`_last`: a merge at 0 s, well
@@ -351,16 +366,7 @@ def test_an_overload_splits_a_pool_that_merged_within_reverse_after_s():
     reqs = short_prompts(5400, 90.0)
 
     def run(merged):
-        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
-                                    lambda c: 100_000)
-
-        def attach(s):
-            ctl.attach(s)
-            if merged:
-                ctl._last = ("merge", 0.0)
-
-        recs = simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
-                        COST.predict, SIM, setup=[attach])
+        ctl, recs = _on_8_8(reqs, merged)
         splits = [d for d in ctl.decisions if d.get("kind") == "split"]
         arrival = np.array([r.request.arrival_time for r in recs])
         late = np.array([r.ttft for r in recs])[arrival > arrival.max() - 20].mean()
@@ -378,20 +384,8 @@ def test_after_a_recent_merge_only_the_overload_rule_splits():
     # before is not (the comparison still waits out `reverse_after_s`), and only the overload
     # rule splits it, once the load plus the backlog to clear is past 1.25, later.
     reqs = short_prompts(8000, 80.0, 4, 104)
-    firsts = []
-    for merged in (False, True):
-        ctl = CompositionController(CompositionConfig(min_degree=1, max_degree=8),
-                                    lambda c: 100_000)
-
-        def attach(s, ctl=ctl, merged=merged):
-            ctl.attach(s)
-            if merged:
-                ctl._last = ("merge", 0.0)
-
-        simulate(reqs, layout_workers([8, 8], 10_000, 100_000), COST, VertumnusRouter(),
-                 COST.predict, SIM, setup=[attach])
-        firsts.append(next(d for d in ctl.decisions if d.get("kind")))
-    fresh, merged = firsts
+    fresh, merged = (next(d for d in _on_8_8(reqs, m)[0].decisions if d.get("kind"))
+                     for m in (False, True))
     assert fresh["chosen"].startswith("splits to the target") and fresh["time"] < 10.0, fresh
     assert merged["kind"] == "split" and "(load " in merged["chosen"], merged
     assert merged["time"] > fresh["time"]
